@@ -1,0 +1,1 @@
+"""Run plans: validate first, then write atomically, with progress."""

@@ -1,0 +1,118 @@
+"""``consolidate``: shards -> one full state dict (torch.save or safetensors)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from ..errors import CheckpointError
+from ..io.atomic import atomic_output, check_output, check_space
+from ..io.fill import Copier, Fill, whole
+from ..io.safe_load import TensorRef
+from ..io.source import ShardedCheckpoint, open_checkpoint
+from ..io.tree import copy_tree, get_path, map_leaves, set_path
+from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
+from ..plan.consolidate import consolidated_weights, split_by_part
+from ..plan.optimizer import consolidated_optimizer
+from .progress import progress_bar
+
+TORCH_SUFFIXES = (".pt", ".pth", ".torch", ".bin", ".ckpt")
+
+
+@dataclass
+class ConsolidateResult:
+    outputs: List[str]
+    tensors: int
+    nbytes: int
+
+
+def output_format(out: str, max_shard_size: Optional[int]) -> str:
+    if max_shard_size is not None:
+        return "safetensors-index"
+    if out.endswith(".safetensors"):
+        return "safetensors"
+    if out.endswith(TORCH_SUFFIXES):
+        return "torch"
+    raise CheckpointError(
+        f"{out}: cannot tell the format: end it with .safetensors or .pt/.pth/.torch, "
+        "or give --max-shard-size for a folder of safetensors files"
+    )
+
+
+def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Optional[Any]) -> Any:
+    """The source framework's own consolidated checkpoint around the full weights."""
+    c = ckpt.container
+    tree = copy_tree(ckpt.objs[0])
+    if c.kind == "vissl":
+        tree["type"] = "consolidated"
+        per_part = split_by_part(ckpt, weights)
+        for spec, sd in zip(c.parts, per_part):
+            set_path(tree, spec.weights, sd)
+        base = get_path(tree, ("classy_state_dict", "base_model"))
+        base.pop("meta", None)
+    else:
+        spec = c.parts[0]
+        set_path(tree, spec.weights, weights)
+        get_path(tree, spec.metadata[:-1]).pop(spec.metadata[-1])
+    if c.optimizer is not None:
+        if optim is None:
+            get_path(tree, c.optimizer[:-1]).pop(c.optimizer[-1])
+        else:
+            set_path(tree, c.optimizer, optim)
+    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+
+
+def optimizer_path(out: str) -> str:
+    stem = out[: -len(os.path.splitext(out)[1])] if os.path.splitext(out)[1] else out.rstrip("/")
+    return stem + ".optim.pt"
+
+
+def consolidate(
+    src: str,
+    out: str,
+    *,
+    max_shard_size: Optional[int] = None,
+    container: bool = False,
+    optimizer: bool = False,
+    overwrite: bool = False,
+    trust_pickles: bool = False,
+    progress: bool = True,
+) -> ConsolidateResult:
+    """Write the full state dict of the sharded checkpoint ``src`` to ``out``."""
+    fmt = output_format(out, max_shard_size)
+    if container and fmt != "torch":
+        raise CheckpointError("--container needs a torch.save output (.pt/.pth/.torch)")
+    ckpt = open_checkpoint(src, trust_pickles)
+    inputs = tuple(ckpt.files.paths)
+    check_output(out, overwrite, inputs)
+    weights = consolidated_weights(ckpt)
+    optim = None
+    if optimizer:
+        if ckpt.container.optimizer is None:
+            raise CheckpointError(f"{src}: --optimizer given but the shards hold no optimizer state")
+        optim = consolidated_optimizer(ckpt)
+    opt_out = None
+    if optim is not None and not container:
+        opt_out = optimizer_path(out)
+        check_output(opt_out, overwrite, inputs)
+    # Tied tensors count twice: safetensors stores each copy.
+    total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
+    check_space(out, total)
+    outputs: List[str] = []
+    with Copier() as copier, progress_bar(total, "consolidate", progress) as tick:
+        if fmt == "torch":
+            tree: Any = container_tree(ckpt, weights, optim) if container else weights
+            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
+                write_torch(tmp, tree, copier, tick, trust_pickles)
+        elif fmt == "safetensors":
+            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
+                write_safetensors(tmp, weights, copier, tick, {"format": "pt"})
+        else:
+            with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+                write_safetensors_index(tmp, weights, max_shard_size or 0, copier, tick, {"format": "pt"})
+        outputs.append(out)
+        if opt_out is not None:
+            with atomic_output(opt_out, is_dir=False, overwrite=overwrite) as tmp:
+                write_torch(tmp, optim, copier, tick, trust_pickles)
+            outputs.append(opt_out)
+    return ConsolidateResult(outputs, len(weights), total)

@@ -1,0 +1,18 @@
+"""A byte-counting progress bar that can be switched off."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable, Iterator
+
+from tqdm import tqdm
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, desc: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+              dynamic_ncols=True, leave=False) as bar:
+        yield bar.update

@@ -1,0 +1,127 @@
+"""Let fairscale's FSDP run on a machine without CUDA, over gloo.
+
+fairscale's FSDP calls CUDA stream APIs unconditionally in its backward
+hooks. Streams only order GPU work; on the CPU everything already runs in
+program order, so stand-ins that do nothing are exact. The stand-ins are
+installed into fairscale's FSDP module namespace only (its ``torch`` name
+becomes a proxy whose ``cuda`` attribute is fake), never into ``torch``
+itself, and only when CUDA is absent. ``Tensor.record_stream`` is the one
+global touch: it becomes a no-op for the fake streams and stays the real
+method for real ones.
+
+Also needed on CPU: ``bucket_cap_mb=0`` (gloo's reduce-scatter rejects the
+2-D input fairscale's bucketer builds) and
+``compute_device=torch.device("cpu")``; :func:`cpu_fsdp_kwargs` gives both.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Dict, Iterator, List
+
+import torch
+
+_installed = False
+
+
+class _FakeStream:
+    """A CUDA stream stand-in: every ordering call is a no-op."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeCuda(types.SimpleNamespace):
+    """The subset of ``torch.cuda`` fairscale's FSDP touches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._stack: List[_FakeStream] = [_FakeStream()]
+
+    Stream = _FakeStream
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_stream(self, device: Any = None) -> _FakeStream:
+        return self._stack[-1]
+
+    @contextlib.contextmanager
+    def stream(self, s: _FakeStream) -> Iterator[None]:
+        # fairscale asserts current_stream() is the stream it entered.
+        self._stack.append(s)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+
+    def synchronize(self, device: Any = None) -> None:
+        pass
+
+    def memory_allocated(self, device: Any = None) -> int:
+        return 0
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return 0
+
+
+class _TorchProxy(types.ModuleType):
+    """``torch`` as fairscale's FSDP module sees it: real, except ``cuda``."""
+
+    def __init__(self, fake_cuda: _FakeCuda) -> None:
+        super().__init__("torch")
+        self.cuda = fake_cuda
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def needs_cpu_compat() -> bool:
+    """True where CUDA is absent, the only case the layer is for."""
+    return not torch.cuda.is_available()
+
+
+def install_cpu_compat() -> bool:
+    """Install the stand-ins if CUDA is absent. Idempotent.
+
+    Returns True if the layer is active after the call.
+    """
+    global _installed
+    if _installed:
+        return True
+    if not needs_cpu_compat():
+        return False
+    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
+
+    fake = _FakeCuda()
+    fsdp_mod.torch = _TorchProxy(fake)  # type: ignore[attr-defined]
+    real_record_stream = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if isinstance(stream, _FakeStream):
+            return None
+        return real_record_stream(self, stream)
+
+    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+    _installed = True
+    return True
+
+
+def is_installed() -> bool:
+    return _installed
+
+
+def cpu_fsdp_kwargs() -> Dict[str, Any]:
+    """FSDP keyword arguments every wrap needs on CPU (empty where CUDA exists)."""
+    if not needs_cpu_compat():
+        return {}
+    return {"compute_device": torch.device("cpu"), "bucket_cap_mb": 0}

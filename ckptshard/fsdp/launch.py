@@ -1,0 +1,48 @@
+"""Run a function on every rank of a local gloo process group."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        from .cpu_compat import install_cpu_compat
+
+        install_cpu_compat()
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Spawn ``world_size`` processes, each calling ``fn(rank, world_size, *args)``.
+
+    ``fn`` must be importable (module level): the processes are spawned, not
+    forked, so a parent that already started torch threads cannot deadlock them.
+    """
+    mp.start_processes(
+        _worker,
+        args=(world_size, free_port(), fn, args),
+        nprocs=world_size,
+        join=True,
+        start_method="spawn",
+    )

@@ -1,0 +1,1 @@
+"""Everything that touches files: loading, container formats, writers."""

@@ -1,0 +1,97 @@
+"""Outputs appear whole or not at all.
+
+Everything is written under a temporary name beside the final one, flushed
+and fsynced, and renamed into place only once complete. Any exception,
+SIGINT or SIGTERM on the way removes the temporary, so an interrupted run
+leaves nothing that looks like a finished checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+from ..errors import CheckpointError
+
+
+def check_output(final: str, overwrite: bool, inputs: tuple = ()) -> None:
+    """Refuse an output that exists (unless ``overwrite``) or that is an input."""
+    final_abs = os.path.realpath(final)
+    for p in inputs:
+        rp = os.path.realpath(p)
+        if rp == final_abs or rp.startswith(final_abs.rstrip(os.sep) + os.sep):
+            raise CheckpointError(f"{final}: output would overwrite the input {p}")
+    parent = os.path.dirname(final_abs) or "."
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{final}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"{final}: folder {parent} is not writable")
+    if os.path.lexists(final) and not overwrite:
+        raise CheckpointError(f"{final}: exists; pass --overwrite to replace it")
+
+
+def check_space(final: str, nbytes: int) -> None:
+    """Refuse to start a write the disk cannot hold (plus 1% and 16 MiB of slack)."""
+    parent = os.path.dirname(os.path.realpath(final)) or "."
+    st = os.statvfs(parent)
+    free = st.f_bavail * st.f_frsize
+    need = int(nbytes * 1.01) + (16 << 20)
+    if free < need:
+        raise CheckpointError(
+            f"{final}: needs {need / 2**30:.2f} GiB but {parent} has {free / 2**30:.2f} GiB free"
+        )
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: str) -> None:
+    if os.path.isdir(path):
+        for root, _dirs, files in os.walk(path):
+            for f in files:
+                fsync_path(os.path.join(root, f))
+            fsync_path(root)
+    else:
+        fsync_path(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def atomic_output(final: str, is_dir: bool, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary path to write ``final`` into; rename it when the block ends cleanly."""
+    final = os.path.abspath(final)
+    parent, name = os.path.split(final)
+    if is_dir:
+        tmp = tempfile.mkdtemp(prefix=f".{name}.", suffix=".ckptshard-tmp", dir=parent)
+    else:
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".ckptshard-tmp", dir=parent)
+        os.close(fd)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        if os.path.lexists(final):
+            if not overwrite:
+                raise CheckpointError(f"{final}: appeared while writing; left it alone")
+            old = tempfile.mkdtemp(prefix=f".{name}.", suffix=".ckptshard-old", dir=parent)
+            os.rename(final, os.path.join(old, name))
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_path(parent)
+    except BaseException:
+        _remove(tmp)
+        raise

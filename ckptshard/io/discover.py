@@ -1,0 +1,102 @@
+"""Find the per-rank files of one sharded checkpoint from what the user named."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+# "...shard3.pt", "..._shard3.torch", "...-shard03.pt": the rank follows "shard".
+_SHARD_RE = re.compile(r"^(?P<head>.*shard)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    paths: Tuple[str, ...]  # index = rank
+    head: str  # file name before the rank number
+    tail: str  # after it
+    shard_list: Optional[str] = None  # the VISSL shard_list file, if the source was one
+
+    def name_for(self, rank: int) -> str:
+        return f"{self.head}{rank}{self.tail}"
+
+
+def _group(names: List[str]) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
+    groups: Dict[Tuple[str, str], Dict[int, List[str]]] = {}
+    for n in names:
+        m = _SHARD_RE.match(n)
+        if m:
+            groups.setdefault((m["head"], m["tail"]), {}).setdefault(int(m["rank"]), []).append(n)
+    return groups
+
+
+def _ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[str]]) -> Tuple[str, ...]:
+    dup = {r: ns for r, ns in by_rank.items() if len(ns) > 1}
+    if dup:
+        r, ns = sorted(dup.items())[0]
+        raise CheckpointError(f"{folder}: rank {r} appears more than once: {', '.join(sorted(ns))}")
+    n = max(by_rank) + 1
+    missing = [r for r in range(n) if r not in by_rank]
+    if missing:
+        shown = ", ".join(f"{head}{r}{tail}" for r in missing[:5])
+        raise CheckpointError(f"{folder}: missing shard(s) {shown} of {n}")
+    return tuple(os.path.join(folder, by_rank[r][0]) for r in range(n))
+
+
+def _read_shard_list(path: str) -> Optional[List[str]]:
+    """The shard names of a VISSL ``shard_list`` file, or None if it is not one."""
+    if os.path.getsize(path) > 64 * 1024 * 1024:
+        return None
+    try:
+        with torch.serialization.safe_globals([]):
+            obj = torch.load(path, map_location="meta", weights_only=True)
+    except Exception:
+        return None
+    if isinstance(obj, dict) and obj.get("type") == "shard_list":
+        shards = obj.get("shards")
+        if not isinstance(shards, (list, tuple)) or not shards:
+            raise CheckpointError(f"{path}: shard_list file lists no shards")
+        return [str(s) for s in shards]
+    return None
+
+
+def find_shards(src: str) -> ShardFiles:
+    """Resolve ``src`` (a folder, one shard file, or a VISSL shard_list file)."""
+    if not os.path.exists(src):
+        raise CheckpointError(f"{src}: no such file or folder")
+    if os.path.isdir(src):
+        groups = _group(sorted(os.listdir(src)))
+        if not groups:
+            raise CheckpointError(f"{src}: no shard files (names like checkpoint-shard0.pt) in this folder")
+        if len(groups) > 1:
+            names = ", ".join(f"{h}*{t}" for h, t in sorted(groups))
+            raise CheckpointError(f"{src}: holds several checkpoints ({names}): name one shard file instead")
+        (head, tail), by_rank = next(iter(groups.items()))
+        return ShardFiles(_ranks_to_paths(src, head, tail, by_rank), head, tail)
+    folder, name = os.path.split(os.path.abspath(src))
+    listed = _read_shard_list(src)
+    if listed is not None:
+        names = [os.path.basename(s) for s in listed]
+        groups = _group(names)
+        if len(groups) != 1:
+            raise CheckpointError(f"{src}: shard_list names files that are not one run's shards: {names}")
+        (head, tail), by_rank = next(iter(groups.items()))
+        for n in names:
+            if not os.path.isfile(os.path.join(folder, n)):
+                raise CheckpointError(f"{src}: lists {n}, which is not in {folder}")
+        paths = _ranks_to_paths(folder, head, tail, by_rank)
+        if len(paths) != len(names):
+            raise CheckpointError(f"{src}: shard_list does not list ranks 0..{len(paths) - 1} exactly once")
+        return ShardFiles(paths, head, tail, shard_list=os.path.abspath(src))
+    m = _SHARD_RE.match(name)
+    if not m:
+        # A single file that names no rank: a world-size-1 checkpoint.
+        stem, ext = os.path.splitext(name)
+        return ShardFiles((os.path.abspath(src),), stem + "-shard", ext or ".pt")
+    groups = _group(sorted(os.listdir(folder)))
+    head, tail = m["head"], m["tail"]
+    return ShardFiles(_ranks_to_paths(folder, head, tail, groups[(head, tail)]), head, tail)

@@ -1,0 +1,130 @@
+"""Write tensors into output files from byte ranges of source files.
+
+A :class:`Fill` is an output tensor described by where its elements come
+from. Same-dtype runs are copied file to file by the kernel
+(``os.copy_file_range``), so memory stays flat whatever the size; runs that
+change dtype go through a bounded buffer. Elements no source covers are
+padding and stay zero (outputs are pre-sized, and unwritten bytes of a file
+read as zero).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from .safe_load import TensorRef
+
+BLOCK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Source:
+    ref: TensorRef
+    src_start: int  # element offset in the (flattened) source tensor
+    dst_start: int  # element offset in the output tensor
+    length: int
+
+
+@dataclass(frozen=True, eq=False)
+class Fill:
+    """An output tensor: shape, dtype and the sources of its elements.
+
+    Identity matters: the same Fill in two places of an output tree is one
+    tensor stored once (tied parameters in ``torch.save`` outputs).
+    """
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    sources: Tuple[Source, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def whole(ref: TensorRef) -> Fill:
+    """A Fill that copies one stored tensor as it is."""
+    return Fill(ref.shape, ref.dtype, (Source(ref, 0, 0, ref.numel),))
+
+
+Progress = Callable[[int], None]
+
+
+class Copier:
+    """Executes Fills; keeps source files open across calls."""
+
+    def __init__(self, use_copy_file_range: bool = True) -> None:
+        self._fds: Dict[str, int] = {}
+        self._fast = use_copy_file_range and hasattr(os, "copy_file_range")
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "Copier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fill(self, out_fd: int, out_offset: int, fill: Fill, progress: Optional[Progress] = None) -> None:
+        isz = torch.empty((), dtype=fill.dtype).element_size()
+        for s in fill.sources:
+            if s.length == 0:
+                continue
+            if s.ref.dtype == fill.dtype and s.ref.contiguous:
+                self._copy(
+                    s.ref.path,
+                    s.ref.offset + s.src_start * isz,
+                    out_fd,
+                    out_offset + s.dst_start * isz,
+                    s.length * isz,
+                )
+            else:
+                self._convert(out_fd, out_offset, isz, fill.dtype, s)
+            if progress:
+                progress(s.length * isz)
+
+    def _copy(self, src_path: str, src_off: int, out_fd: int, out_off: int, n: int) -> None:
+        fd = self._fd(src_path)
+        if self._fast:
+            try:
+                while n > 0:
+                    done = os.copy_file_range(fd, out_fd, min(n, 1 << 30), src_off, out_off)
+                    if done == 0:
+                        raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+                    src_off, out_off, n = src_off + done, out_off + done, n - done
+                return
+            except OSError:
+                self._fast = False  # e.g. across filesystems on old kernels: plain reads from here on
+        while n > 0:
+            chunk = os.pread(fd, min(n, BLOCK), src_off)
+            if not chunk:
+                raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+            os.pwrite(out_fd, chunk, out_off)
+            src_off, out_off, n = src_off + len(chunk), out_off + len(chunk), n - len(chunk)
+
+    def _convert(self, out_fd: int, out_offset: int, isz: int, dtype: torch.dtype, s: Source) -> None:
+        step = max(1, BLOCK // max(isz, s.ref.itemsize))
+        for a in range(0, s.length, step):
+            n = min(step, s.length - a)
+            data = s.ref.read_flat(s.src_start + a, s.src_start + a + n).to(dtype)
+            os.pwrite(out_fd, data.view(torch.uint8).numpy().tobytes(), out_offset + (s.dst_start + a) * isz)

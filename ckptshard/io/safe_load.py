@@ -1,0 +1,165 @@
+"""Load checkpoint files without running pickled code, and without reading data.
+
+Files are unpickled with ``weights_only=True`` and ``map_location="meta"``:
+tensors come back on the meta device carrying the byte offset of their data
+in the file, so nothing but the pickle is read. :class:`TensorRef` turns such
+a tensor into a handle that reads byte ranges on demand.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+
+# Globals some real checkpoints need beyond torch's own weights-only set:
+# fairseq's pre-hydra ``args`` is an argparse.Namespace.
+SAFE_GLOBALS = [argparse.Namespace]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one stored tensor's bytes live: file, byte offset, dtype, shape.
+
+    Only contiguous tensors can be read in ranges (flat parameter shards
+    always are); others are read whole through their strides.
+    """
+
+    path: str
+    offset: int
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, in fresh memory."""
+        if self.contiguous:
+            return self.read_flat(0, self.numel).reshape(self.shape)
+        span = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride) if s > 0)
+        flat = read_elements(self.path, self.offset, self.dtype, span, self.itemsize)
+        return flat.as_strided(self.shape, self.stride).clone()
+
+    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened (contiguous) tensor."""
+        if not self.contiguous:
+            return self.read().reshape(-1)[start:stop].clone()
+        return read_elements(
+            self.path, self.offset + start * self.itemsize, self.dtype, stop - start, self.itemsize
+        )
+
+
+def read_elements(path: str, offset: int, dtype: torch.dtype, count: int, itemsize: int) -> torch.Tensor:
+    out = torch.empty(count, dtype=dtype)
+    if count == 0:
+        return out
+    view = memoryview(out.view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        got = f.readinto(view)
+        while got < len(view):
+            more = f.readinto(view[got:])
+            if not more:
+                raise CheckpointError(f"{path}: truncated: tensor data ends early at byte {offset + got}")
+            got += more
+    return out
+
+
+def _ref_of(path: str, t: torch.Tensor) -> TensorRef:
+    base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    if base is None:
+        raise CheckpointError(f"{path}: cannot locate tensor data (not a zip-format torch.save file?)")
+    return TensorRef(
+        path=path,
+        offset=int(base) + t.storage_offset() * t.element_size(),
+        dtype=t.dtype,
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+    )
+
+
+def _to_refs(path: str, obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _ref_of(path, obj)
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _to_refs(path, v)
+        return out
+    if isinstance(obj, list):
+        return [_to_refs(path, v) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        return tuple(_to_refs(path, v) for v in obj)
+    return obj
+
+
+
+
+def load_lazy(path: str, trust_pickles: bool = False) -> Any:
+    """Unpickle ``path``; every tensor becomes a :class:`TensorRef`.
+
+    With ``trust_pickles`` the file may run arbitrary code on load: only for
+    files you made yourself.
+    """
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(
+            f"{path}: not a zip-format torch.save checkpoint (truncated, corrupted, or legacy format)"
+        )
+    try:
+        if trust_pickles:
+            warnings.warn(f"{path}: loading with full unpickling (--trust-pickles): it can run code")
+            obj = torch.load(path, map_location="meta", weights_only=False)
+        else:
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
+                obj = torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = str(e)
+        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg) or re.search(r"GLOBAL ([\w.]+)", msg)
+        wanted = m.group(1) if m else "an unsupported global"
+        raise CheckpointError(
+            f"{path}: refused to unpickle {wanted} (safe loading); "
+            "pass --trust-pickles only if you trust this file"
+        ) from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # torch raises many types for damaged zips
+        raise CheckpointError(f"{path}: cannot read checkpoint: {type(e).__name__}: {_first_line(e)}") from None
+    return _to_refs(path, obj)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""

@@ -1,0 +1,99 @@
+"""Open a sharded checkpoint: every rank's file, its container and layout.
+
+Opening reads only the pickles (tensors stay on disk as TensorRefs), checks
+that the ranks agree with each other, and builds the layout.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional
+
+from ..errors import CheckpointError
+from ..layout.model import Part, ShardedLayout, layout_from_metadata
+from .containers import Container, PartSpec, detect
+from .discover import ShardFiles, find_shards
+from .safe_load import TensorRef, load_lazy
+from .tree import get_path, leaves
+
+
+@dataclass
+class ShardedCheckpoint:
+    files: ShardFiles
+    container: Container
+    objs: List[Any]  # each rank's unpickled file; tensors are TensorRefs
+    layout: ShardedLayout
+    trust_pickles: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def local_state(self, rank: int, part_index: int) -> Mapping[str, TensorRef]:
+        return get_path(self.objs[rank], self.container.parts[part_index].weights)
+
+    def optimizer_state(self, rank: int) -> Optional[Mapping[str, Any]]:
+        if self.container.optimizer is None:
+            return None
+        return get_path(self.objs[rank], self.container.optimizer)
+
+    def extra_keys(self, part_index: int) -> List[str]:
+        """Stored tensors that are neither flat params nor buffers: carried as is."""
+        part = self.layout.parts[part_index]
+        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers)
+        return [k for k in self.local_state(0, part_index) if k not in known]
+
+
+def _check_state_dict(sd: Any, where: str) -> Mapping[str, TensorRef]:
+    if not isinstance(sd, Mapping):
+        raise CheckpointError(f"{where}: local state dict is a {type(sd).__name__}, not a dict")
+    for k, v in sd.items():
+        if not isinstance(v, TensorRef):
+            raise CheckpointError(f"{where}: local state dict entry {k!r} is not a tensor")
+    return sd
+
+
+def open_checkpoint(src: str, trust_pickles: bool = False) -> ShardedCheckpoint:
+    """Open ``src`` (folder, shard file or VISSL shard_list) for reading."""
+    files = find_shards(src)
+    objs = [load_lazy(p, trust_pickles) for p in files.paths]
+    container = detect(objs[0], files.paths[0])
+    for r, obj in enumerate(objs[1:], start=1):
+        other = detect(obj, files.paths[r])
+        if other != container:
+            raise CheckpointError(f"{files.paths[r]}: a {other.kind} file among {container.kind} shards")
+    parts = [_part_layout(files, objs, spec) for spec in container.parts]
+    return ShardedCheckpoint(files, container, objs, ShardedLayout(len(objs), tuple(parts)), trust_pickles)
+
+
+def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
+    sds = [_check_state_dict(get_path(o, spec.weights), f"{p} [{spec.label}]") for o, p in zip(objs, files.paths)]
+    metas = [get_path(o, spec.metadata) for o in objs]
+    numels = [{k: v.numel for k, v in sd.items()} for sd in sds]
+    dtypes = {k: v.dtype for k, v in sds[0].items()}
+    part = layout_from_metadata(spec.label, spec.prefix, metas, numels, dtypes)
+    for r, sd in enumerate(sds):
+        for name in part.buffers:
+            if name not in sd:
+                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} listed but not stored")
+        for inst, fp in part.flat_params():
+            ref = sd[inst.local_key(fp)]
+            if ref.dtype != fp.dtype:
+                raise CheckpointError(
+                    f"{files.paths[r]}: {inst.local_key(fp)} is {ref.dtype}, rank 0 has {fp.dtype}"
+                )
+            if len(ref.shape) != 1:
+                raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is not a flat (1-D) shard")
+    return part
+
+
+def fingerprint(ckpt: ShardedCheckpoint) -> str:
+    """A short hash of what identifies the checkpoint: layout and non-tensor values of rank 0."""
+    h = hashlib.sha256()
+    h.update(repr(ckpt.layout).encode())
+    for path, leaf in leaves(ckpt.objs[0]):
+        if isinstance(leaf, TensorRef):
+            h.update(repr((path, leaf.dtype, leaf.shape)).encode())
+        else:
+            h.update(repr((path, leaf)).encode())
+    return h.hexdigest()[:16]

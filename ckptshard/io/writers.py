@@ -1,0 +1,182 @@
+"""Writers for torch.save and safetensors outputs, fed by Fills.
+
+Both lay out the whole file first (header or pickle, with every tensor's
+place reserved) and then fill tensor bytes in file order, so nothing larger
+than a copy block is ever held in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..errors import CheckpointError
+from .fill import Copier, Fill, Progress
+from .safe_load import SAFE_GLOBALS, TensorRef
+from .tree import leaves, map_leaves
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+
+
+def _fills_in(tree: Any) -> List[Fill]:
+    seen, out = set(), []
+    for _, leaf in leaves(tree):
+        if isinstance(leaf, Fill) and id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(leaf)
+    return out
+
+
+def tree_nbytes(tree: Any) -> int:
+    return sum(f.nbytes for f in _fills_in(tree))
+
+
+def write_torch(
+    path: str,
+    tree: Any,
+    copier: Copier,
+    progress: Optional[Progress] = None,
+    trust_pickles: bool = False,
+) -> None:
+    """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
+
+    The pickle is written by torch itself (``skip_data`` over fake tensors),
+    so any torch can read the file; tensor bytes are then filled in place.
+    """
+    mode = FakeTensorMode()
+    fakes: Dict[int, torch.Tensor] = {}
+
+    def to_fake(leaf: Any) -> Any:
+        if isinstance(leaf, TensorRef):
+            raise AssertionError("TensorRef left in an output tree: wrap it in a Fill")
+        if not isinstance(leaf, Fill):
+            return leaf
+        if id(leaf) not in fakes:
+            with mode:
+                fakes[id(leaf)] = torch.empty(leaf.shape, dtype=leaf.dtype)
+        return fakes[id(leaf)]
+
+    skeleton = map_leaves(tree, to_fake)
+    with open(path, "wb") as f, torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(skeleton, f)
+    del skeleton, fakes
+    # Read the skeleton's pickle back to learn where each tensor's bytes go.
+    if trust_pickles:
+        placed = torch.load(path, map_location="meta", weights_only=False)
+    else:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            placed = torch.load(path, map_location="meta", weights_only=True)
+    targets: Dict[int, Tuple[int, Fill]] = {}
+    for (p1, leaf), (p2, meta) in zip(leaves(tree), leaves(placed)):
+        if not isinstance(leaf, Fill) or id(leaf) in targets:
+            continue
+        if p1 != p2 or not isinstance(meta, torch.Tensor):
+            raise AssertionError(f"skeleton structure differs at {p1} / {p2}")
+        base = meta.untyped_storage()._checkpoint_offset
+        targets[id(leaf)] = (int(base) + meta.storage_offset() * meta.element_size(), leaf)
+    del placed
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
+            copier.fill(fd, offset, fill, progress)
+    finally:
+        os.close(fd)
+
+
+def _safetensors_header(tensors: Mapping[str, Fill], metadata: Optional[Mapping[str, str]]) -> Tuple[bytes, Dict[str, int]]:
+    header: Dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets, pos = {}, 0
+    for name in sorted(tensors):
+        fill = tensors[name]
+        if fill.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{name}: dtype {fill.dtype} cannot be stored in safetensors")
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[fill.dtype],
+            "shape": list(fill.shape),
+            "data_offsets": [pos, pos + fill.nbytes],
+        }
+        offsets[name] = pos
+        pos += fill.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
+def write_safetensors(
+    path: str,
+    tensors: Mapping[str, Fill],
+    copier: Copier,
+    progress: Optional[Progress] = None,
+    metadata: Optional[Mapping[str, str]] = None,
+) -> None:
+    """One safetensors file; tied tensors are stored as separate copies, as the format requires."""
+    head, offsets = _safetensors_header(tensors, metadata)
+    total = len(head) + sum(f.nbytes for f in tensors.values())
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.ftruncate(fd, total)
+        for name in sorted(tensors):
+            copier.fill(fd, len(head) + offsets[name], tensors[name], progress)
+    finally:
+        os.close(fd)
+
+
+def split_by_size(tensors: Mapping[str, Fill], max_bytes: int) -> List[List[str]]:
+    """Group names, in name order, into files of at most ``max_bytes`` (a bigger tensor gets its own)."""
+    groups: List[List[str]] = [[]]
+    size = 0
+    for name in sorted(tensors):
+        n = tensors[name].nbytes
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    return groups
+
+
+def write_safetensors_index(
+    folder: str,
+    tensors: Mapping[str, Fill],
+    max_bytes: int,
+    copier: Copier,
+    progress: Optional[Progress] = None,
+    metadata: Optional[Mapping[str, str]] = None,
+) -> List[str]:
+    """Index-sharded safetensors (the ``model.safetensors.index.json`` convention)."""
+    groups = split_by_size(tensors, max_bytes)
+    n = len(groups)
+    weight_map, names = {}, []
+    for i, group in enumerate(groups, start=1):
+        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+        write_safetensors(os.path.join(folder, fname), {k: tensors[k] for k in group}, copier, progress, metadata)
+        weight_map.update({k: fname for k in group})
+        names.append(fname)
+    index = {
+        "metadata": {"total_size": sum(f.nbytes for f in tensors.values()), **(metadata or {})},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    return names + ["model.safetensors.index.json"]

@@ -1,0 +1,205 @@
+"""The layout of a fairscale sharded checkpoint, read from its metadata.
+
+A checkpoint has one or more *parts*, each an FSDP root that saved its own
+``local_state_dict()`` and ``local_metadata_dict()`` (fairseq and metaseq have
+one part; VISSL saves the trunk and each head separately). A part holds FSDP
+*instances*; an instance holds *flat params* (``flat_param_0``, or one per
+parameter with ``flatten_parameters=False``); a flat param is the
+concatenation of its *members*, the logical parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from .chunking import chunk_size, padding
+
+
+def join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One logical parameter inside a flat param."""
+
+    name: str  # relative to the instance, as in the metadata
+    shape: Tuple[int, ...]
+    offset: int  # first element inside the flat param
+    numel: int
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    key: str  # backing name in the metadata: "flat_param_0", or "weight"
+    members: Tuple[Member, ...]
+    numel: int
+    dtype: torch.dtype
+
+    def shard_numel(self, world_size: int) -> int:
+        return chunk_size(self.numel, world_size)
+
+
+@dataclass(frozen=True)
+class FsdpInstance:
+    path: str  # fsdp_path, relative to the part's root
+    flat_params: Tuple[FlatParam, ...]
+    shared: Tuple[Tuple[str, str], ...]  # (src, dst), relative to the instance
+    no_broadcast_optim_state: bool
+    extra: Tuple[Tuple[str, Any], ...] = ()  # unknown metadata keys, carried as is
+
+    def local_key(self, fp: FlatParam) -> str:
+        return join(self.path, fp.key)
+
+    def logical_name(self, name: str) -> str:
+        return join(self.path, name)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One FSDP root's saved state: its instances and replicated buffers."""
+
+    label: str  # "model", "trunk", "heads.0"
+    prefix: str  # logical names of this part start with it: "", "trunk.", "heads.0."
+    instances: Tuple[FsdpInstance, ...]
+    buffers: Tuple[str, ...]
+
+    def flat_params(self) -> List[Tuple[FsdpInstance, FlatParam]]:
+        return [(inst, fp) for inst in self.instances for fp in inst.flat_params]
+
+
+@dataclass(frozen=True)
+class ShardedLayout:
+    world_size: int
+    parts: Tuple[Part, ...]
+
+    def flat_params(self) -> List[Tuple[Part, FsdpInstance, FlatParam]]:
+        """Every flat param, in the order optimizers number them."""
+        return [(part, inst, fp) for part in self.parts for inst, fp in part.flat_params()]
+
+    def param_names(self) -> List[str]:
+        return [
+            part.prefix + inst.logical_name(m.name)
+            for part, inst, fp in self.flat_params()
+            for m in fp.members
+        ]
+
+
+def _shape(s: Any) -> Tuple[int, ...]:
+    return tuple(int(x) for x in s)
+
+
+_KNOWN_INSTANCE_KEYS = {"fsdp_path", "params", "shared_param_info", "no_broadcast_optim_state"}
+
+
+def _instance_from_metadata(
+    entry: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], where: str
+) -> FsdpInstance:
+    try:
+        path = entry["fsdp_path"]
+        params = entry["params"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{where}: param_metadata entry lacks fsdp_path/params") from None
+    flat_params = []
+    for key, info in params.items():
+        names, shapes, numels = list(info["names"]), [_shape(s) for s in info["shapes"]], list(info["numels"])
+        if not (len(names) == len(shapes) == len(numels)):
+            raise CheckpointError(f"{where}: {join(path, key)}: names, shapes and numels differ in length")
+        members, offset = [], 0
+        for n, s, k in zip(names, shapes, numels):
+            if torch.Size(s).numel() != k:
+                raise CheckpointError(f"{where}: {join(path, n)}: shape {list(s)} does not hold {k} elements")
+            members.append(Member(name=n, shape=s, offset=offset, numel=int(k)))
+            offset += int(k)
+        local_key = join(path, key)
+        if local_key not in dtypes:
+            raise CheckpointError(f"{where}: metadata names {local_key!r} but the shard has no such tensor")
+        flat_params.append(FlatParam(key=key, members=tuple(members), numel=offset, dtype=dtypes[local_key]))
+    extra = tuple(sorted((k, v) for k, v in entry.items() if k not in _KNOWN_INSTANCE_KEYS))
+    return FsdpInstance(
+        path=path,
+        flat_params=tuple(flat_params),
+        shared=tuple((str(s), str(d)) for s, d in entry.get("shared_param_info", [])),
+        no_broadcast_optim_state=bool(entry.get("no_broadcast_optim_state", False)),
+        extra=extra,
+    )
+
+
+def layout_from_metadata(
+    label: str,
+    prefix: str,
+    metadata: Sequence[Mapping[str, Any]],
+    shard_numels: Sequence[Mapping[str, int]],
+    dtypes: Mapping[str, torch.dtype],
+) -> Part:
+    """Build one part's layout from every rank's metadata and check they agree.
+
+    ``shard_numels[r][key]`` is the number of elements rank ``r`` stored
+    under ``key``; ``dtypes`` the dtype of each stored tensor (rank 0).
+    Raises :class:`CheckpointError` naming the first disagreement.
+    """
+    world_size = len(metadata)
+    where0 = f"{label} rank 0"
+    md0 = metadata[0]
+    if not isinstance(md0, Mapping) or "param_metadata" not in md0:
+        raise CheckpointError(f"{where0}: metadata has no param_metadata")
+    instances = tuple(_instance_from_metadata(e, dtypes, where0) for e in md0["param_metadata"])
+    for rank in range(world_size):
+        where = f"{label} rank {rank}"
+        md = metadata[rank]
+        entries = md.get("param_metadata") if isinstance(md, Mapping) else None
+        if entries is None or len(entries) != len(instances):
+            raise CheckpointError(f"{where}: metadata lists a different set of FSDP instances than rank 0")
+        for inst, entry in zip(instances, entries):
+            if entry.get("fsdp_path") != inst.path:
+                raise CheckpointError(f"{where}: FSDP instance {entry.get('fsdp_path')!r} != rank 0's {inst.path!r}")
+            params = entry.get("params", {})
+            if list(params) != [fp.key for fp in inst.flat_params]:
+                raise CheckpointError(f"{where}: {inst.path!r}: parameters differ from rank 0's")
+            for fp in inst.flat_params:
+                info = params[fp.key]
+                if [list(_shape(s)) for s in info["shapes"]] != [list(m.shape) for m in fp.members] or list(
+                    info["names"]
+                ) != [m.name for m in fp.members]:
+                    raise CheckpointError(f"{where}: {inst.local_key(fp)}: names or shapes differ from rank 0's")
+                want_pad = 0 if inst.no_broadcast_optim_state else padding(fp.numel, world_size, rank)
+                if int(info["padding"]) != want_pad:
+                    raise CheckpointError(
+                        f"{where}: {inst.local_key(fp)}: padding {info['padding']} but {want_pad} is what "
+                        f"{fp.numel} elements on {world_size} ranks give (wrong world size or shard order?)"
+                    )
+                key = inst.local_key(fp)
+                got = shard_numels[rank].get(key)
+                want = fp.numel if inst.no_broadcast_optim_state else fp.shard_numel(world_size)
+                if got is None:
+                    raise CheckpointError(f"{where}: shard has no tensor {key!r}")
+                if got != want:
+                    raise CheckpointError(f"{where}: {key} holds {got} elements, expected {want}")
+        if list(md.get("buffer_names", [])) != list(md0.get("buffer_names", [])):
+            raise CheckpointError(f"{where}: buffer names differ from rank 0's")
+    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md0.get("buffer_names", [])))
+
+
+def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
+    """The ``local_metadata_dict()`` FSDP at ``world_size`` writes on ``rank``."""
+    entries = []
+    for inst in part.instances:
+        entry: Dict[str, Any] = {"fsdp_path": inst.path, "params": {}}
+        entry["no_broadcast_optim_state"] = inst.no_broadcast_optim_state
+        entry["shared_param_info"] = [tuple(x) for x in inst.shared]
+        for fp in inst.flat_params:
+            entry["params"][fp.key] = {
+                "names": [m.name for m in fp.members],
+                "shapes": [torch.Size(m.shape) for m in fp.members],
+                "numels": [m.numel for m in fp.members],
+                "padding": 0 if inst.no_broadcast_optim_state else padding(fp.numel, world_size, rank),
+            }
+        for k, v in inst.extra:
+            entry[k] = v
+        entries.append(entry)
+    return {"param_metadata": entries, "buffer_names": list(part.buffers)}
+
+

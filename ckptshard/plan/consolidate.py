@@ -1,0 +1,51 @@
+"""Plan a full (unsharded) state dict from shards: one Fill per logical tensor."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from ..io.fill import Fill, Source, whole
+from ..io.source import ShardedCheckpoint
+from .intervals import pieces
+
+
+def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
+    """Every parameter, tied parameter and buffer, named as the live ``state_dict()`` names it.
+
+    Tied parameters map to the same Fill, per FSDP instance (fairscale's
+    offline helper uses only the last instance's ties: fairscale #815).
+    Buffers and unrecognised stored tensors come from rank 0, as in
+    fairscale's ``consolidate_shard_weights``.
+    """
+    out: Dict[str, Fill] = {}
+    M = ckpt.world_size
+    for pi, part in enumerate(ckpt.layout.parts):
+        sds = [ckpt.local_state(r, pi) for r in range(M)]
+        for inst in part.instances:
+            for fp in inst.flat_params:
+                key = inst.local_key(fp)
+                for m in fp.members:
+                    name = part.prefix + inst.logical_name(m.name)
+                    if inst.no_broadcast_optim_state:
+                        # Not sharded (own world of 1): rank 0 holds it whole, as fairscale assumes.
+                        sources = [Source(sds[0][key], m.offset, 0, m.numel)]
+                    else:
+                        sources = [
+                            Source(sds[p.src_rank][key], p.src_start, p.dst_start, p.length)
+                            for p in pieces(fp.numel, M, m.offset, m.offset + m.numel)
+                        ]
+                    out[name] = Fill(m.shape, fp.dtype, tuple(sources))
+            for src, dst in inst.shared:
+                out[part.prefix + inst.logical_name(dst)] = out[part.prefix + inst.logical_name(src)]
+        for name in part.buffers:
+            out[part.prefix + name] = whole(sds[0][name])
+        for key in ckpt.extra_keys(pi):
+            out[part.prefix + key] = whole(sds[0][key])
+    return out
+
+
+def split_by_part(ckpt: ShardedCheckpoint, tensors: Dict[str, Fill]) -> List[Dict[str, Fill]]:
+    """The same tensors, one dict per part, names relative to the part (for VISSL containers)."""
+    out: List[Dict[str, Fill]] = []
+    for part in ckpt.layout.parts:
+        out.append({k[len(part.prefix):]: v for k, v in tensors.items() if k.startswith(part.prefix)})
+    return out

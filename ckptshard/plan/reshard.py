@@ -1,0 +1,60 @@
+"""Plan the files FSDP at a new world size would have saved."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from ..errors import CheckpointError
+from ..io.fill import Fill, Source, whole
+from ..io.safe_load import TensorRef
+from ..io.source import ShardedCheckpoint
+from ..io.tree import copy_tree, map_leaves, set_path
+from ..layout.model import metadata_of
+from .intervals import reshard_pieces
+from .optimizer import resharded_optimizer
+
+
+def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, rank: int) -> Dict[str, Fill]:
+    """Rank ``rank``'s ``local_state_dict()`` of one part at ``world_size``.
+
+    Buffers and other replicated tensors: each rank keeps its own when the
+    world size is unchanged (so M -> M is an exact copy); otherwise every
+    rank gets rank 0's, which is what loading the consolidated state dict
+    into FSDP would give.
+    """
+    M = ckpt.world_size
+    own = rank if world_size == M else 0
+    part = ckpt.layout.parts[part_index]
+    flat = {inst.local_key(fp): (inst, fp) for inst, fp in part.flat_params()}
+    sds = [ckpt.local_state(r, part_index) for r in range(M)]
+    out: Dict[str, Fill] = {}
+    for key in sds[0]:
+        if key not in flat or world_size == M:
+            out[key] = whole(sds[own][key])
+            continue
+        inst, fp = flat[key]
+        if inst.no_broadcast_optim_state:
+            raise CheckpointError(
+                f"{part.prefix}{key}: held whole by each rank (no_broadcast_optim_state, e.g. MoE experts): "
+                "cannot be resharded to another world size"
+            )
+        sources = tuple(
+            Source(sds[p.src_rank][key], p.src_start, p.dst_start, p.length)
+            for p in reshard_pieces(fp.numel, M, world_size, rank)
+        )
+        out[key] = Fill((fp.shard_numel(world_size),), fp.dtype, sources)
+    return out
+
+
+def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Any:
+    """The whole object rank ``rank``'s file holds at ``world_size``: container, weights, metadata, optimizer.
+
+    Non-model keys are carried from the source rank the buffers come from.
+    """
+    own = rank if world_size == ckpt.world_size else 0
+    tree = copy_tree(ckpt.objs[own])
+    for pi, spec in enumerate(ckpt.container.parts):
+        set_path(tree, spec.weights, resharded_state(ckpt, pi, world_size, rank))
+        set_path(tree, spec.metadata, metadata_of(ckpt.layout.parts[pi], world_size, rank))
+    if ckpt.container.optimizer is not None:
+        set_path(tree, ckpt.container.optimizer, resharded_optimizer(ckpt, world_size, rank))
+    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)

@@ -1,0 +1,1 @@
+"""Real fairscale checkpoints for tests, the demo and benchmarks."""
