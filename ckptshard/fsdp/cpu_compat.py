@@ -9,6 +9,13 @@ itself, and only when CUDA is absent. ``Tensor.record_stream`` is the one
 global touch: it becomes a no-op for the fake streams and stays the real
 method for real ones.
 
+One fairscale bug shows only on CPU and is fixed here too:
+``gather_full_optim_state_dict`` all-gathers every optimizer tensor into one
+reused buffer and keeps ``x.cpu()`` of it, a copy on GPU but the same tensor
+on CPU, so every gathered moment ends up equal to the last one gathered
+(``exp_avg == exp_avg_sq``). While that method runs, its ``all_gather``
+writes into fresh tensors instead.
+
 Also needed on CPU: ``bucket_cap_mb=0`` (gloo's reduce-scatter rejects the
 2-D input fairscale's bucketer builds) and
 ``compute_device=torch.device("cpu")``; :func:`cpu_fsdp_kwargs` gives both.
@@ -85,6 +92,36 @@ class _TorchProxy(types.ModuleType):
         return getattr(torch, name)
 
 
+class _FreshAllGather(types.ModuleType):
+    """``torch.distributed`` whose ``all_gather`` never writes into tensors it was handed."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("torch.distributed")
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        tensor_list[:] = [torch.empty_like(t) for t in tensor_list]
+        return self._real.all_gather(tensor_list, tensor, *args, **kwargs)
+
+
+def _patch_gather_optim_state(fsdp_mod: types.ModuleType) -> None:
+    cls = fsdp_mod.FullyShardedDataParallel
+    original = cls._gather_optim_state
+
+    def _gather_optim_state(self: Any, sd_state: Any) -> Any:
+        real = fsdp_mod.dist
+        fsdp_mod.dist = _FreshAllGather(real)
+        try:
+            return original(self, sd_state)
+        finally:
+            fsdp_mod.dist = real
+
+    cls._gather_optim_state = _gather_optim_state
+
+
 def needs_cpu_compat() -> bool:
     """True where CUDA is absent, the only case the layer is for."""
     return not torch.cuda.is_available()
@@ -112,6 +149,7 @@ def install_cpu_compat() -> bool:
         return real_record_stream(self, stream)
 
     torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
+    _patch_gather_optim_state(fsdp_mod)
     _installed = True
     return True
 

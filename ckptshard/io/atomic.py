@@ -62,6 +62,12 @@ def _fsync_tree(path: str) -> None:
         fsync_path(path)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -79,6 +85,8 @@ def atomic_output(final: str, is_dir: bool, overwrite: bool = False) -> Iterator
     else:
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".ckptshard-tmp", dir=parent)
         os.close(fd)
+    # mkstemp/mkdtemp make private files; give the output the usual permissions.
+    os.chmod(tmp, (0o777 if is_dir else 0o666) & ~_umask())
     try:
         yield tmp
         _fsync_tree(tmp)

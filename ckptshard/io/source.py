@@ -82,8 +82,13 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
                 raise CheckpointError(
                     f"{files.paths[r]}: {inst.local_key(fp)} is {ref.dtype}, rank 0 has {fp.dtype}"
                 )
-            if len(ref.shape) != 1:
-                raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is not a flat (1-D) shard")
+            if ref.shape != fp.local_shape(len(objs)) and not inst.no_broadcast_optim_state:
+                raise CheckpointError(
+                    f"{files.paths[r]}: {inst.local_key(fp)} has shape {list(ref.shape)}, "
+                    f"FSDP stores {list(fp.local_shape(len(objs)))}"
+                )
+            if not ref.contiguous:
+                raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is not stored contiguously")
     return part
 
 

@@ -42,6 +42,17 @@ class FlatParam:
     def shard_numel(self, world_size: int) -> int:
         return chunk_size(self.numel, world_size)
 
+    @property
+    def flattened(self) -> bool:
+        return self.key.startswith("flat_param")
+
+    def local_shape(self, world_size: int) -> Tuple[int, ...]:
+        """Shape of each rank's stored tensor: FSDP leaves an unflattened
+        parameter in its own shape at world size 1 (it is not sharded)."""
+        if world_size == 1 and not self.flattened and len(self.members) == 1:
+            return self.members[0].shape
+        return (self.shard_numel(world_size),)
+
 
 @dataclass(frozen=True)
 class FsdpInstance:

@@ -79,7 +79,7 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
                     Source(srcs[p.src_rank], p.src_start, p.dst_start, p.length)
                     for p in reshard_pieces(fp.numel, M, world_size, rank)
                 )
-                new[k] = Fill((fp.shard_numel(world_size),), v.dtype, sources)
+                new[k] = Fill(fp.local_shape(world_size), v.dtype, sources)
         out["state"][pid] = new
     return _wrap_refs(out)
 
@@ -96,7 +96,10 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     One entry per logical parameter (global id), tensors in the parameter's
     shape; ``step`` becomes a Python number and other 0-dim tensors a list
     of every rank's value, as fairscale does, so that
-    ``get_shard_from_optim_state_dict`` accepts the result.
+    ``get_shard_from_optim_state_dict`` accepts the result. Two of
+    fairscale's quirks are kept so the output equals its own: state of an
+    unflattened parameter stays 1-D, and ``param_groups[0]["params"]``
+    counts only flattened parameters.
     """
     if ckpt.container.optimizer is None:
         return None
@@ -128,14 +131,14 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
                                 Source(srcs[p.src_rank], p.src_start, p.dst_start, p.length)
                                 for p in pieces(fp.numel, M, m.offset, m.offset + m.numel)
                             )
-                        s[k] = Fill(m.shape, v.dtype, sources)
+                        s[k] = Fill(m.shape if fp.flattened else (m.numel,), v.dtype, sources)
                 state[gid] = s
             gid += 1
     out["state"] = state
     groups = copy_tree(osds[0]["param_groups"])
     if len(groups) != 1:
         raise CheckpointError(f"optimizer has {len(groups)} param groups; fairscale's full format supports one")
-    groups[0]["params"] = list(range(gid))
+    groups[0]["params"] = list(range(sum(len(fp.members) for _, _, fp in flat if fp.flattened)))
     out["param_groups"] = groups
     out["param_id_map"] = param_id_map
     out["uncollected_local_ids"] = [i for i, (_, inst, _) in enumerate(flat) if inst.no_broadcast_optim_state]

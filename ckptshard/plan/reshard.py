@@ -41,7 +41,7 @@ def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, r
             Source(sds[p.src_rank][key], p.src_start, p.dst_start, p.length)
             for p in reshard_pieces(fp.numel, M, world_size, rank)
         )
-        out[key] = Fill((fp.shard_numel(world_size),), fp.dtype, sources)
+        out[key] = Fill(fp.local_shape(world_size), fp.dtype, sources)
     return out
 
 

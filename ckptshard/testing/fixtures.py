@@ -7,7 +7,7 @@ Layout of ``build_fixture(root, W)``'s output folder::
     vissl/model_phase2.torch                         {"type": "shard_list", "shards": [...]}
     vissl/model_phase2_shard{r}.torch                classy_state_dict.base_model.{model,meta}.{trunk,heads}
     ref/full_state_dict.pt                           live model.state_dict() (rank 0)
-    ref/full_optim.pt                                gather_full_optim_state_dict() (rank 0)
+    ref/full_optim.pt                                gather_full_optim_state_dict() (rank 0; not at world size 1)
     ref/losses.pt                                    per-step losses of rank 0
 """
 from __future__ import annotations
@@ -65,13 +65,21 @@ def train_steps(root: Any, optim: torch.optim.Optimizer, rank: int, world_size: 
     return losses
 
 
+def make_optimizer(params, variant: str) -> torch.optim.Optimizer:
+    """Adam, or SGD with momentum for the pure-fp16 variant (Adam's eps underflows in fp16)."""
+    if variant == "half":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=LR)
+
+
 def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: int, steps: int) -> None:
     torch.manual_seed(seed)
     root = wrap_fixture_model(VisslLikeModel(), variant)
-    optim = torch.optim.Adam(root.parameters(), lr=LR)
+    optim = make_optimizer(root.parameters(), variant)
     losses = train_steps(root, optim, rank, world_size, range(steps), seed)
     full = root.state_dict()
-    full_optim = root.gather_full_optim_state_dict(optim)
+    # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params).
+    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 else None
     local, meta = root.local_state_dict(), root.local_metadata_dict()
     osd = optim.state_dict()
     m = inner(root)
@@ -81,7 +89,8 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
         torch.save(full, os.path.join(out, "ref", "full_state_dict.pt"))
-        torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
+        if full_optim is not None:
+            torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
         torch.save({"losses": losses, "variant": variant, "world_size": world_size},
                    os.path.join(out, "ref", "losses.pt"))
 

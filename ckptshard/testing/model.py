@@ -106,7 +106,9 @@ def fixture_wrap_kwargs(variant: str) -> Dict[str, Dict[str, Any]]:
     proto = {"flatten_parameters": False, "mixed_precision": False, "fp32_reduce_scatter": False,
              "force_input_to_fp32": True}
     if variant == "mixed":
-        mp = {"mixed_precision": True}
+        # fp32_reduce_scatter as VISSL's configs set it; without it fairscale at world
+        # size 1 leaves fp16 grads on fp32 params, which torch's Adam rejects.
+        mp = {"mixed_precision": True, "fp32_reduce_scatter": True}
         return {"trunk": mp, "head": mp, "prototypes": proto, "root": mp}
     if variant == "half":
         return {"trunk": {"mixed_precision": False, "compute_dtype": torch.float16},

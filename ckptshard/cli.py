@@ -1,0 +1,131 @@
+"""The ``ckptshard`` command line: thin wrappers over the library."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+import click
+
+from . import __version__
+from .errors import CheckpointError
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+def _size(text: Optional[str]) -> Optional[int]:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.I)
+    if not m:
+        raise BadInput(f"--max-shard-size: cannot read {text!r} (try 5GB, 500MiB, 1000000)")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+    return int(float(m.group(1)) * mult)
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    # Raise through the stack so atomic outputs remove their temporaries.
+    raise SystemExit(128 + signum)
+
+
+def _run(ctx: click.Context, fn: Callable[[], Any]) -> Any:
+    signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return fn()
+    except CheckpointError as e:
+        if ctx.obj.get("debug"):
+            traceback.print_exc()
+        raise BadInput(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted; no output was written", err=True)
+        sys.exit(130)
+
+
+common_trust = click.option(
+    "--trust-pickles",
+    is_flag=True,
+    help="Unpickle shards without the weights-only safety net. Only for files you trust: they can run code.",
+)
+common_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptshard")
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """Consolidate and reshard fairscale FSDP checkpoints (fairseq, metaseq, VISSL).
+
+    SRC is a folder of shards, one shard file, or a VISSL shard_list file.
+    Inputs are never modified; outputs appear whole or not at all.
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@common_trust
+@click.pass_context
+def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) -> None:
+    """Show what a sharded checkpoint holds: container, world size, FSDP
+    instances, parameters, buffers, padding, optimizer state. Reads no tensor data."""
+    from .execute.inspect import format_summary, inspect_checkpoint
+
+    summary = _run(ctx, lambda: inspect_checkpoint(src, trust_pickles))
+    click.echo(json.dumps(summary, indent=2) if as_json else format_summary(summary))
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("-o", "--output", "out", required=True, type=click.Path(),
+              help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size.")
+@click.option("--max-shard-size", default=None, help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB).")
+@click.option("--container", is_flag=True, help="Keep the source framework's container (VISSL 'consolidated', fairseq/metaseq 'model' + other keys).")
+@click.option("--optimizer", is_flag=True, help="Also write the full optimizer state (fairscale's gather_full_optim_state_dict format): inside the container, or beside OUT as OUT.optim.pt.")
+@common_overwrite
+@common_trust
+@common_quiet
+@click.pass_context
+def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional[str], container: bool,
+                optimizer: bool, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+    """Write one full state dict from the shards in SRC, streaming: memory stays
+    flat whatever the model's size."""
+    from .execute.consolidate import consolidate as run
+
+    res = _run(ctx, lambda: run(src, out, max_shard_size=_size(max_shard_size), container=container,
+                                optimizer=optimizer, overwrite=overwrite, trust_pickles=trust_pickles,
+                                progress=not quiet))
+    click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
+@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
+@common_overwrite
+@common_trust
+@common_quiet
+@click.pass_context
+def reshard(ctx: click.Context, src: str, world_size: int, dst: str, overwrite: bool, trust_pickles: bool,
+            quiet: bool) -> None:
+    """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
+    exactly as FSDP at that world size would have saved them, in the same
+    container and file naming."""
+    from .execute.reshard import reshard as run
+
+    res = _run(ctx, lambda: run(src, dst, world_size, overwrite=overwrite, trust_pickles=trust_pickles,
+                                progress=not quiet))
+    click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""``inspect``: what a sharded checkpoint holds, without reading tensor data."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from ..io.containers import container_summary
+from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
+from ..layout.chunking import padding
+
+
+def _dtype(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
+    M = ckpt.world_size
+    parts: List[Dict[str, Any]] = []
+    total_bytes = 0
+    total_padding = 0
+    for pi, part in enumerate(ckpt.layout.parts):
+        sd0 = ckpt.local_state(0, pi)
+        instances = []
+        for inst in part.instances:
+            fps = []
+            for fp in inst.flat_params:
+                pad = [0 if inst.no_broadcast_optim_state else padding(fp.numel, M, r) for r in range(M)]
+                total_padding += sum(pad)
+                itemsize = torch.empty((), dtype=fp.dtype).element_size()
+                total_bytes += fp.numel * itemsize
+                fps.append({
+                    "key": inst.local_key(fp),
+                    "dtype": _dtype(fp.dtype),
+                    "numel": fp.numel,
+                    "shard_numel": fp.shard_numel(M),
+                    "padding_per_rank": pad,
+                    "params": [
+                        {"name": part.prefix + inst.logical_name(m.name), "shape": list(m.shape)} for m in fp.members
+                    ],
+                })
+            instances.append({
+                "fsdp_path": inst.path,
+                "flat_params": fps,
+                "tied": [[part.prefix + inst.logical_name(s), part.prefix + inst.logical_name(d)] for s, d in inst.shared],
+                "no_broadcast_optim_state": inst.no_broadcast_optim_state,
+            })
+        buffers = []
+        for b in part.buffers:
+            ref = sd0[b]
+            total_bytes += ref.nbytes
+            buffers.append({"name": part.prefix + b, "shape": list(ref.shape), "dtype": _dtype(ref.dtype)})
+        parts.append({
+            "label": part.label,
+            "prefix": part.prefix,
+            "instances": instances,
+            "buffers": buffers,
+            "extra_tensors": [part.prefix + k for k in ckpt.extra_keys(pi)],
+        })
+    osd = ckpt.optimizer_state(0)
+    optim = None
+    if osd is not None:
+        keys = sorted({k for entry in osd.get("state", {}).values() for k in entry})
+        optim = {
+            "entries": len(osd.get("state", {})),
+            "param_groups": len(osd.get("param_groups", [])),
+            "state_keys": keys,
+            "other_keys": sorted(str(k) for k in osd if k not in ("state", "param_groups")),
+        }
+    n_params = sum(len(fp["params"]) for p in parts for i in p["instances"] for fp in i["flat_params"])
+    return {
+        "source": ckpt.files.shard_list or ckpt.files.paths[0].rsplit("/", 1)[0],
+        "files": list(ckpt.files.paths),
+        "container": container_summary(ckpt.container),
+        "world_size": M,
+        "fingerprint": fingerprint(ckpt),
+        "fsdp_instances": sum(len(p.instances) for p in ckpt.layout.parts),
+        "parameters": n_params,
+        "model_bytes": total_bytes,
+        "padding_elements": total_padding,
+        "optimizer": optim,
+        "parts": parts,
+    }
+
+
+def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
+    return summarize(open_checkpoint(src, trust_pickles))
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    """The human-readable form of :func:`summarize`."""
+    lines = [
+        f"source      {s['source']}",
+        f"container   {s['container']['kind']} ({', '.join(s['container']['parts'])})",
+        f"world size  {s['world_size']}",
+        f"instances   {s['fsdp_instances']} FSDP instances, {s['parameters']} parameters",
+        f"size        {s['model_bytes']:,} bytes of weights and buffers; {s['padding_elements']} padding elements",
+        f"fingerprint {s['fingerprint']}",
+    ]
+    o = s["optimizer"]
+    if o is None:
+        lines.append("optimizer   none")
+    else:
+        extra = f"; also {', '.join(o['other_keys'])}" if o["other_keys"] else ""
+        lines.append(
+            f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), state {', '.join(o['state_keys'])}{extra}"
+        )
+    for p in s["parts"]:
+        lines.append("")
+        lines.append(f"[{p['label']}]")
+        for inst in p["instances"]:
+            lines.append(f"  FSDP {inst['fsdp_path'] or '(root)'}" + ("  [per-rank]" if inst["no_broadcast_optim_state"] else ""))
+            for fp in inst["flat_params"]:
+                pad = fp["padding_per_rank"]
+                lines.append(
+                    f"    {fp['key']}  {fp['dtype']}  {fp['numel']} elements, {fp['shard_numel']} per rank, padding {pad}"
+                )
+                for prm in fp["params"]:
+                    lines.append(f"      {prm['name']}  {tuple(prm['shape'])}")
+            for src, dst in inst["tied"]:
+                lines.append(f"    tied: {dst} = {src}")
+        for b in p["buffers"]:
+            lines.append(f"  buffer {b['name']}  {tuple(b['shape'])}  {b['dtype']}")
+        for e in p["extra_tensors"]:
+            lines.append(f"  other tensor {e} (carried from rank 0)")
+    return "\n".join(lines)

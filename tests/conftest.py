@@ -1,0 +1,72 @@
+"""Session fixtures: real fairscale checkpoints, built once and cached.
+
+Building them spawns gloo process groups (seconds each), so they are made
+once per cache key (a hash of the fixture code and library versions) under
+``$CKPTSHARD_FIXTURE_CACHE`` or the temp folder, and every test compares
+offline against them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import tempfile
+from typing import Dict
+
+import fairscale
+import pytest
+import torch
+
+import ckptshard
+from ckptshard.testing.fixtures import build_fixture
+
+FIXTURE_WORLD_SIZES = (1, 2, 3, 4)
+TARGET_WORLD_SIZES = (1, 2, 3, 4, 5, 8)
+CONTAINERS = ("fairseq", "metaseq", "vissl")
+
+_FIXTURE_CODE = ["testing/fixtures.py", "testing/model.py", "testing/oracle.py", "fsdp/cpu_compat.py", "fsdp/launch.py"]
+
+
+def _cache_root() -> pathlib.Path:
+    h = hashlib.sha256()
+    pkg = pathlib.Path(ckptshard.__file__).parent
+    for rel in _FIXTURE_CODE:
+        h.update((pkg / rel).read_bytes())
+    h.update(f"{torch.__version__} {fairscale.__version__}".encode())
+    base = os.environ.get("CKPTSHARD_FIXTURE_CACHE") or os.path.join(tempfile.gettempdir(), "ckptshard-fixtures")
+    return pathlib.Path(base) / h.hexdigest()[:12]
+
+
+def _once(folder: pathlib.Path, build) -> pathlib.Path:
+    done = folder / ".done"
+    if not done.exists():
+        build(str(folder))
+        done.write_text("ok\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cache_root() -> pathlib.Path:
+    root = _cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def fixtures(cache_root: pathlib.Path) -> Dict[int, pathlib.Path]:
+    """World size -> folder of a real 3-step mixed-precision FSDP run (see ckptshard.testing.fixtures)."""
+    return {w: _once(cache_root / f"mixed-ws{w}", lambda d, w=w: build_fixture(d, w, "mixed")) for w in FIXTURE_WORLD_SIZES}
+
+
+@pytest.fixture(scope="session")
+def half_fixture(cache_root: pathlib.Path) -> pathlib.Path:
+    """A run with a pure-fp16 trunk (fp16 shards and buffers), fp32 head and prototypes, at world size 3."""
+    return _once(cache_root / "half-ws3", lambda d: build_fixture(d, 3, "half"))
+
+
+def src_of(folder: pathlib.Path, container: str) -> str:
+    return str(folder / "vissl" / "model_phase2.torch") if container == "vissl" else str(folder / container)
+
+
+def load_ref(folder: pathlib.Path, name: str):
+    return torch.load(folder / "ref" / name, weights_only=True)

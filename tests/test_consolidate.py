@@ -1,0 +1,164 @@
+"""consolidate against the live state_dict() and fairscale's consolidate_shard_weights."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from fairscale.nn import FullyShardedDataParallel as FSDP
+
+from ckptshard.execute.consolidate import consolidate
+from conftest import CONTAINERS, FIXTURE_WORLD_SIZES, load_ref, src_of
+
+TIED = "trunk.embed_out.weight"
+
+
+def assert_same(got, want):
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+@pytest.mark.parametrize("ws", FIXTURE_WORLD_SIZES)
+@pytest.mark.parametrize("fmt", [".pt", ".safetensors"])
+def test_consolidated_equals_live_state_dict(fixtures, container, ws, fmt, tmp_path):
+    out = str(tmp_path / f"full{fmt}")
+    consolidate(src_of(fixtures[ws], container), out, progress=False)
+    got = torch.load(out, weights_only=True) if fmt == ".pt" else safetensors.torch.load_file(out)
+    full = load_ref(fixtures[ws], "full_state_dict.pt")
+    assert_same(got, full)
+    assert got["heads.0.prototypes0.weight"].dtype == torch.float32
+    assert got["trunk.stem_bn.num_batches_tracked"].dtype == torch.int64
+
+
+def fairscale_offline(folder, ws):
+    shards = [torch.load(folder / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True) for r in range(ws)]
+    return FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
+
+
+def test_fairscale_offline_fails_at_world_size_1_where_we_do_not(fixtures):
+    # At world size 1 FSDP leaves unflattened params (the prototypes) in their own
+    # shape; consolidate_shard_weights assumes 1-D and asserts. The live
+    # state_dict() comparison above covers our output at world size 1.
+    with pytest.raises(AssertionError):
+        fairscale_offline(fixtures[1], 1)
+
+
+@pytest.mark.parametrize("ws", [w for w in FIXTURE_WORLD_SIZES if w > 1])
+def test_consolidated_equals_fairscale_offline_except_its_tied_param_bug(fixtures, ws, tmp_path):
+    theirs = fairscale_offline(fixtures[ws], ws)
+    out = str(tmp_path / "full.pt")
+    consolidate(str(fixtures[ws] / "fairseq"), out, progress=False)
+    ours = torch.load(out, weights_only=True)
+    # fairscale #815: ties are copied from the last FSDP instance's shared_param_info only,
+    # so a tie inside a nested instance is lost. The live state_dict() has it; so do we.
+    assert TIED not in theirs and TIED in ours
+    assert torch.equal(ours[TIED], ours["trunk.embed_in.weight"])
+    assert_same({k: v for k, v in ours.items() if k != TIED}, theirs)
+
+
+def test_tied_params_share_storage_in_torch_output(fixtures, tmp_path):
+    out = str(tmp_path / "full.pt")
+    consolidate(str(fixtures[2] / "metaseq"), out, progress=False)
+    sd = torch.load(out, weights_only=True)
+    assert sd[TIED].untyped_storage().data_ptr() == sd["trunk.embed_in.weight"].untyped_storage().data_ptr()
+
+
+def test_half_precision_dtypes_kept(half_fixture, tmp_path):
+    out = str(tmp_path / "full.safetensors")
+    consolidate(src_of(half_fixture, "vissl"), out, progress=False)
+    got = safetensors.torch.load_file(out)
+    full = load_ref(half_fixture, "full_state_dict.pt")
+    assert_same(got, full)
+    assert got["trunk.blocks.0.fc.weight"].dtype == torch.float16
+    assert got["heads.0.prototypes1.weight"].dtype == torch.float32
+
+
+def test_index_sharded_safetensors(fixtures, tmp_path):
+    out = tmp_path / "hf"
+    consolidate(str(fixtures[3] / "fairseq"), str(out), max_shard_size=1500, progress=False)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    got = {}
+    for f in files:
+        part = safetensors.torch.load_file(str(out / f))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 1500 or len(part) == 1
+        got.update(part)
+    assert_same(got, load_ref(fixtures[3], "full_state_dict.pt"))
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+
+
+READER = """
+import sys, torch, safetensors.torch
+sd = torch.load(sys.argv[1], weights_only=True)
+st = safetensors.torch.load_file(sys.argv[2])
+assert "ckptshard" not in sys.modules
+assert set(sd) == set(st) and all(torch.equal(sd[k], st[k]) for k in sd)
+print(len(sd))
+"""
+
+
+def test_outputs_read_by_stock_torch_and_safetensors_without_ckptshard(fixtures, tmp_path):
+    pt, st = str(tmp_path / "a.pt"), str(tmp_path / "a.safetensors")
+    consolidate(str(fixtures[4] / "fairseq"), pt, progress=False)
+    consolidate(str(fixtures[4] / "fairseq"), st, progress=False)
+    res = subprocess.run([sys.executable, "-c", READER, pt, st], capture_output=True, text=True, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout) == len(load_ref(fixtures[4], "full_state_dict.pt"))
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_container_output_keeps_framework_keys(fixtures, container, tmp_path):
+    out = str(tmp_path / "c.pt")
+    consolidate(src_of(fixtures[2], container), out, container=True, optimizer=True, progress=False)
+    obj = torch.load(out, weights_only=True)
+    full = load_ref(fixtures[2], "full_state_dict.pt")
+    if container == "vissl":
+        assert obj["type"] == "consolidated"
+        model = obj["classy_state_dict"]["base_model"]["model"]
+        flat = {f"trunk.{k}": v for k, v in model["trunk"].items()}
+        flat.update({f"heads.0.{k}": v for k, v in model["heads"][0].items()})
+        assert obj["iteration"] == 3 and "meta" not in obj["classy_state_dict"]["base_model"]
+    else:
+        flat = obj["model"]
+        assert "extra_state" in obj and "cfg" in obj
+        assert "fsdp_metadata" not in obj and "shard_metadata" not in obj
+    assert_same(flat, full)
+
+
+def test_consolidated_optimizer_equals_gather_full_optim_state_dict(fixtures, tmp_path):
+    out = str(tmp_path / "w.pt")
+    consolidate(str(fixtures[3] / "metaseq"), out, optimizer=True, progress=False)
+    ours = torch.load(str(tmp_path / "w.optim.pt"), weights_only=True)
+    theirs = load_ref(fixtures[3], "full_optim.pt")
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert ours["param_id_map"] == theirs["param_id_map"]
+    assert ours["uncollected_local_ids"] == theirs["uncollected_local_ids"]
+    assert ours["state"].keys() == theirs["state"].keys()
+    for gid, s in theirs["state"].items():
+        assert ours["state"][gid].keys() == s.keys()
+        for k, v in s.items():
+            if torch.is_tensor(v):
+                assert torch.equal(ours["state"][gid][k], v), (gid, k)
+            else:
+                assert ours["state"][gid][k] == v, (gid, k)
+
+
+def test_same_input_gives_byte_identical_outputs(fixtures, tmp_path):
+    for name in ("a", "b"):
+        consolidate(str(fixtures[3] / "fairseq"), str(tmp_path / f"{name}.pt"), progress=False)
+        consolidate(str(fixtures[3] / "fairseq"), str(tmp_path / f"{name}.safetensors"), progress=False)
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_inputs_are_not_modified(fixtures, tmp_path):
+    folder = fixtures[2] / "fairseq"
+    before = {p: (os.stat(p).st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
+    consolidate(str(folder), str(tmp_path / "x.pt"), progress=False)
+    assert before == {p: (os.stat(p).st_mtime_ns, p.read_bytes()) for p in folder.iterdir()}
