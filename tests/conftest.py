@@ -70,3 +70,44 @@ def src_of(folder: pathlib.Path, container: str) -> str:
 
 def load_ref(folder: pathlib.Path, name: str):
     return torch.load(folder / "ref" / name, weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def resharded(fixtures, tmp_path_factory):
+    """(M, container, N) -> folder of ckptshard's reshard of fixture M to N (made fresh each session)."""
+    from ckptshard.execute.reshard import reshard
+
+    root = tmp_path_factory.mktemp("resharded")
+    out = {}
+    for m in FIXTURE_WORLD_SIZES:
+        for c in CONTAINERS:
+            for n in TARGET_WORLD_SIZES:
+                dst = root / f"{c}-{m}to{n}"
+                reshard(src_of(fixtures[m], c), str(dst), n, progress=False)
+                out[(m, c, n)] = dst
+    return out
+
+
+@pytest.fixture(scope="session")
+def oracles(fixtures, resharded, cache_root, tmp_path_factory):
+    """(M, N) -> folder with real FSDP at world size N's view of fixture M (see ckptshard.testing.oracle).
+
+    The pure-fairscale part is cached; the strict load of ckptshard's own
+    output (``candidate``) runs every session, in the same processes.
+    """
+    from ckptshard.testing.oracle import build_oracles
+
+    fresh = tmp_path_factory.mktemp("oracle")
+    out = {}
+    for n in TARGET_WORLD_SIZES:
+        jobs = []
+        for m in FIXTURE_WORLD_SIZES:
+            folder = fresh / f"{m}to{n}"
+            optim = fixtures[m] / "ref" / "full_optim.pt"
+            if not optim.exists():  # fairscale cannot gather at world size 1: use the 1->2 oracle's input
+                continue
+            jobs.append({"full": str(fixtures[m] / "ref" / "full_state_dict.pt"), "full_optim": str(optim),
+                         "variant": "mixed", "out": str(folder), "candidate": str(resharded[(m, "fairseq", n)])})
+            out[(m, n)] = folder
+        build_oracles(n, jobs)
+    return out

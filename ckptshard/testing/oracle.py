@@ -17,6 +17,7 @@ from typing import Dict, List
 import torch
 
 from ..fsdp.launch import run_world
+from ..fsdp.state import init_param_attributes
 from .fixtures import inner, make_optimizer, wrap_fixture_model
 from .model import VisslLikeModel
 
@@ -49,6 +50,7 @@ def _oracle_worker(rank: int, world_size: int, jobs: List[Dict[str, str]]) -> No
             torch.manual_seed(99)
             root2 = wrap_fixture_model(VisslLikeModel(), job["variant"])
             optim2 = make_optimizer(root2.parameters(), job["variant"])
+            init_param_attributes(root2)
             ours = torch.load(os.path.join(candidate, f"checkpoint_last-shard{rank}.pt"), weights_only=True)
             root2.load_local_state_dict(ours["model"], strict=True)
             optim2.load_state_dict(ours["last_optimizer_state"])

@@ -1,0 +1,24 @@
+"""Lazy-init bookkeeping of fairscale FSDP modules around loading state."""
+from __future__ import annotations
+
+from typing import Any, List
+
+import torch.nn as nn
+
+
+def fsdp_instances(module: nn.Module) -> List[Any]:
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    return [m for m in module.modules() if isinstance(m, FSDP)]
+
+
+def init_param_attributes(module: nn.Module) -> None:
+    """Give every FSDP parameter its lazily-made attributes (``_fp32_shard``, ``_fp16_shard``...).
+
+    ``load_local_state_dict`` on a model that never ran forward needs them at
+    world size 1 with mixed precision: fairscale frees ``_fp16_shard`` there
+    without having made it. Idempotent; changes no values and no ``_is_root``.
+    """
+    for m in fsdp_instances(module):
+        for p in m.params:
+            m._init_param_attributes(p)
