@@ -127,5 +127,29 @@ def reshard(ctx: click.Context, src: str, world_size: int, dst: str, overwrite: 
     click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
+@main.command()
+@click.argument("full", type=click.Path(exists=True))
+@click.option("--like", required=True, type=click.Path(exists=True),
+              help="A sharded checkpoint whose FSDP wrapping (instances, flattening, order) and container to follow.")
+@click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
+@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the shards.")
+@click.option("--optimizer", "optim", type=click.Path(exists=True), default=None,
+              help="A full optimizer state (from consolidate --optimizer, or gather_full_optim_state_dict) to shard too.")
+@common_overwrite
+@common_trust
+@common_quiet
+@click.pass_context
+def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, optim: Optional[str],
+          overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+    """Shard a full state dict FULL (.pt, .safetensors, or an index folder) for
+    --world-size ranks, wrapped as the checkpoint --like is. Names and shapes
+    must match its plan exactly; mismatches are listed and nothing is written."""
+    from .execute.reshard import shard as run
+
+    res = _run(ctx, lambda: run(full, like, dst, world_size, optimizer=optim, overwrite=overwrite,
+                                trust_pickles=trust_pickles, progress=not quiet))
+    click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
+
+
 if __name__ == "__main__":
     main()

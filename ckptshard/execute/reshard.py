@@ -1,18 +1,21 @@
-"""``reshard``: M shards -> N shards, weights and optimizer state."""
+"""``reshard`` (M shards -> N) and ``shard`` (full state dict -> N shards)."""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import List
+from typing import Any, List, Optional, Sequence
 
 import torch
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier
+from ..io.full_state import full_state_refs
+from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
+from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
 from .progress import progress_bar
 
 
@@ -31,18 +34,37 @@ def shard_list_name(ckpt: ShardedCheckpoint) -> str:
     return (head[: -len("_shard")] if head.endswith("_shard") else head.rstrip("_-")) + ckpt.files.tail
 
 
-def write_resharded(ckpt: ShardedCheckpoint, world_size: int, folder: str, copier: Copier, tick) -> List[str]:
-    """Write every rank's file of ``ckpt`` at ``world_size`` into ``folder``."""
+def write_rank_files(
+    template: ShardedCheckpoint,
+    trees: Sequence[Any],
+    dst: str,
+    desc: str,
+    overwrite: bool,
+    progress: bool,
+) -> ReshardResult:
+    """Write one file per planned rank tree into folder ``dst``, named like ``template``'s.
+
+    The whole folder appears at once when complete (VISSL gets its shard_list too).
+    """
+    total = sum(tree_nbytes(t) for t in trees)
+    check_space(dst, total)
     names = []
-    for rank in range(world_size):
-        name = ckpt.files.name_for(rank)
-        write_torch(os.path.join(folder, name), resharded_file(ckpt, world_size, rank), copier, tick, ckpt.trust_pickles)
-        names.append(name)
-    if ckpt.container.kind == "vissl":
-        list_name = shard_list_name(ckpt)
-        torch.save({"type": "shard_list", "shards": names}, os.path.join(folder, list_name))
-        names.append(list_name)
-    return names
+    with Copier() as copier, progress_bar(total, desc, progress) as tick:
+        with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
+            for rank, tree in enumerate(trees):
+                name = template.files.name_for(rank)
+                write_torch(os.path.join(tmp, name), tree, copier, tick, template.trust_pickles)
+                names.append(name)
+            if template.container.kind == "vissl":
+                list_name = shard_list_name(template)
+                torch.save({"type": "shard_list", "shards": names}, os.path.join(tmp, list_name))
+                names.append(list_name)
+    return ReshardResult(dst, names, total)
+
+
+def _check_world_size(world_size: int) -> None:
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
 
 
 def reshard(
@@ -55,14 +77,40 @@ def reshard(
     progress: bool = True,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``."""
-    if world_size < 1:
-        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
+    _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles)
     check_output(dst, overwrite, tuple(ckpt.files.paths))
     # Plan every rank first: a bad input fails here, before any byte is written.
-    total = sum(tree_nbytes(resharded_file(ckpt, world_size, r)) for r in range(world_size))
-    check_space(dst, total)
-    with Copier() as copier, progress_bar(total, f"reshard {ckpt.world_size}->{world_size}", progress) as tick:
-        with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_resharded(ckpt, world_size, tmp, copier, tick)
-    return ReshardResult(dst, names, total)
+    trees = [resharded_file(ckpt, world_size, r) for r in range(world_size)]
+    return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress)
+
+
+def shard(
+    full: str,
+    like: str,
+    dst: str,
+    world_size: int,
+    *,
+    optimizer: Optional[str] = None,
+    overwrite: bool = False,
+    trust_pickles: bool = False,
+    progress: bool = True,
+) -> ReshardResult:
+    """Shard the full state dict ``full`` for ``world_size`` ranks, wrapped as the checkpoint ``like`` is."""
+    _check_world_size(world_size)
+    template = open_checkpoint(like, trust_pickles)
+    refs = full_state_refs(full, trust_pickles)
+    check_full_against_plan(template, refs)
+    inputs = (full, *template.files.paths)
+    full_optim = None
+    if optimizer is not None:
+        if template.container.optimizer is None:
+            raise CheckpointError(f"{like}: its container has no place for optimizer state")
+        full_optim = load_lazy(optimizer, trust_pickles)
+        inputs = inputs + (optimizer,)
+    check_output(dst, overwrite, inputs)
+    trees = []
+    for rank in range(world_size):
+        optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
+        trees.append(sharded_from_full(template, refs, world_size, rank, optim))
+    return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress)

@@ -1,0 +1,76 @@
+"""Read a full (unsharded) state dict lazily: torch.save or safetensors."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any, Dict, Mapping
+
+from ..errors import CheckpointError
+from .safe_load import TensorRef, load_lazy
+from .writers import SAFETENSORS_DTYPES
+
+_DTYPE_OF_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def safetensors_refs(path: str) -> Dict[str, TensorRef]:
+    """Every tensor of a safetensors file as a TensorRef; reads only the header."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: not a safetensors file (too short)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100 * 1024 * 1024:
+            raise CheckpointError(f"{path}: not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from None
+    out: Dict[str, TensorRef] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPE_OF_CODE.get(info.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: {name}: unsupported dtype {info.get('dtype')}")
+        begin, end = info["data_offsets"]
+        shape = tuple(int(s) for s in info["shape"])
+        ref = TensorRef(path, 8 + n + begin, dtype, shape, _contiguous_stride(shape))
+        if ref.nbytes != end - begin or 8 + n + end > size:
+            raise CheckpointError(f"{path}: {name}: data offsets do not fit shape or file (truncated?)")
+        out[name] = ref
+    return out
+
+
+def index_refs(folder: str) -> Dict[str, TensorRef]:
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    out: Dict[str, TensorRef] = {}
+    for fname in sorted(set(index["weight_map"].values())):
+        out.update(safetensors_refs(os.path.join(folder, fname)))
+    return out
+
+
+def full_state_refs(path: str, trust_pickles: bool = False) -> Mapping[str, TensorRef]:
+    """A flat ``{name: tensor}`` state dict from a .safetensors file, an index folder or a torch.save file."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+            raise CheckpointError(f"{path}: a folder without model.safetensors.index.json")
+        return index_refs(path)
+    if path.endswith(".safetensors"):
+        return safetensors_refs(path)
+    obj: Any = load_lazy(path, trust_pickles)
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, TensorRef) for v in obj.values()):
+        raise CheckpointError(f"{path}: not a flat {{name: tensor}} state dict")
+    return obj

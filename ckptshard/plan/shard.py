@@ -1,0 +1,133 @@
+"""Plan shards of a full state dict, following an existing checkpoint's FSDP wrapping."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+from ..errors import CheckpointError
+from ..io.fill import Fill, Source, whole
+from ..io.safe_load import TensorRef
+from ..io.source import ShardedCheckpoint
+from ..io.tree import copy_tree, get_path, map_leaves, set_path
+from ..layout.chunking import shard_range
+from ..layout.model import FlatParam, metadata_of
+
+
+def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, TensorRef]) -> None:
+    """Refuse, listing them, names and shapes that do not match the wrapping plan."""
+    missing, wrong, expected = [], [], set()
+    for part in ckpt.layout.parts:
+        for inst, fp in part.flat_params():
+            for m in fp.members:
+                name = part.prefix + inst.logical_name(m.name)
+                expected.add(name)
+                if name not in full:
+                    missing.append(name)
+                elif tuple(full[name].shape) != m.shape:
+                    wrong.append(f"{name} {list(full[name].shape)} (plan: {list(m.shape)})")
+            for src, dst in inst.shared:
+                expected.add(part.prefix + inst.logical_name(dst))
+        for b in part.buffers:
+            expected.add(part.prefix + b)
+            if part.prefix + b not in full:
+                missing.append(part.prefix + b)
+    extra = sorted(set(full) - expected)
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+    if wrong:
+        problems.append(f"wrong shape {len(wrong)}: {', '.join(wrong[:8])}" + (" ..." if len(wrong) > 8 else ""))
+    if extra:
+        problems.append(f"not in the plan {len(extra)}: {', '.join(extra[:8])}" + (" ..." if len(extra) > 8 else ""))
+    if problems:
+        raise CheckpointError("full state dict does not match the wrapping plan: " + "; ".join(problems))
+
+
+def _flat_sources(fp: FlatParam, refs: List[TensorRef], world_size: int, rank: int) -> tuple:
+    """Rank ``rank``'s shard of a flat param whose members are separate tensors."""
+    a, b = shard_range(fp.numel, world_size, rank)
+    out = []
+    for m, ref in zip(fp.members, refs):
+        lo, hi = max(a, m.offset), min(b, m.offset + m.numel)
+        if lo < hi:
+            out.append(Source(ref, lo - m.offset, lo - a, hi - lo))
+    return tuple(out)
+
+
+def sharded_from_full(
+    ckpt: ShardedCheckpoint, full: Mapping[str, TensorRef], world_size: int, rank: int,
+    optim: Optional[Any] = None,
+) -> Any:
+    """Rank ``rank``'s file at ``world_size``: ``ckpt``'s container and wrapping, ``full``'s values.
+
+    Tensors are cast to the plan's dtype where ``full`` holds another one.
+    The template's optimizer state is dropped unless ``optim`` (a planned
+    optimizer shard) replaces it.
+    """
+    tree = copy_tree(ckpt.objs[0])
+    for pi, spec in enumerate(ckpt.container.parts):
+        part = ckpt.layout.parts[pi]
+        sd: Dict[str, Fill] = {}
+        template = ckpt.local_state(0, pi)
+        flat = {inst.local_key(fp): (inst, fp) for inst, fp in part.flat_params()}
+        for key in template:
+            if key in flat:
+                inst, fp = flat[key]
+                refs = [full[part.prefix + inst.logical_name(m.name)] for m in fp.members]
+                sd[key] = Fill(fp.local_shape(world_size), fp.dtype, _flat_sources(fp, refs, world_size, rank))
+            elif part.prefix + key in full:
+                sd[key] = whole(full[part.prefix + key])
+            else:
+                raise CheckpointError(f"{part.prefix}{key}: stored in the template shards but not in the full state dict")
+        set_path(tree, spec.weights, sd)
+        set_path(tree, spec.metadata, metadata_of(part, world_size, rank))
+    if ckpt.container.optimizer is not None:
+        opt_path = ckpt.container.optimizer
+        if optim is None:
+            get_path(tree, opt_path[:-1]).pop(opt_path[-1])
+        else:
+            set_path(tree, opt_path, optim)
+    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+
+
+def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
+    """Rank ``rank``'s optimizer shard from fairscale's full format (``gather_full_optim_state_dict``).
+
+    Like ``get_shard_from_optim_state_dict``: per-parameter tensors are
+    concatenated in flat order and sharded, other values are copied.
+    """
+    for key in ("state", "param_groups", "param_id_map"):
+        if key not in full_optim:
+            raise CheckpointError(f"full optimizer state lacks {key!r}: not fairscale's full format")
+    flat = ckpt.layout.flat_params()
+    by_local: Dict[int, List[int]] = {}
+    for gid, lid in full_optim["param_id_map"].items():
+        if lid is not None:
+            by_local.setdefault(int(lid), []).append(int(gid))
+    out = {k: v for k, v in copy_tree(dict(full_optim)).items() if k not in ("param_id_map", "uncollected_local_ids")}
+    state: Dict[int, Dict[str, Any]] = {}
+    for lid, gids in sorted(by_local.items()):
+        if lid >= len(flat):
+            raise CheckpointError(f"full optimizer state names flat parameter {lid}; the plan has {len(flat)}")
+        _, inst, fp = flat[lid]
+        gids = sorted(gids)
+        if len(gids) != len(fp.members):
+            raise CheckpointError(f"optimizer entry {lid} covers {len(gids)} parameters, the plan {len(fp.members)}")
+        entries = [full_optim["state"][g] for g in gids]
+        s: Dict[str, Any] = {}
+        for k, v in entries[0].items():
+            if isinstance(v, TensorRef) and len(v.shape) > 0:
+                refs = [e[k] for e in entries]
+                for m, ref in zip(fp.members, refs):
+                    if ref.numel != m.numel:
+                        raise CheckpointError(f"optimizer state[{k!r}] for {inst.logical_name(m.name)}: {ref.numel} elements, parameter has {m.numel}")
+                s[k] = Fill(fp.local_shape(world_size), v.dtype, _flat_sources(fp, refs, world_size, rank))
+            elif isinstance(v, list) and v and isinstance(v[0], TensorRef):
+                s[k] = whole(v[rank] if rank < len(v) else v[0])  # fairscale's rule for per-rank scalars
+            else:
+                s[k] = v
+        state[lid] = s
+    out["state"] = state
+    groups = copy_tree(full_optim["param_groups"])
+    groups[0]["params"] = list(range(len(flat)))
+    out["param_groups"] = groups
+    return map_leaves(out, lambda x: whole(x) if isinstance(x, TensorRef) else x)
