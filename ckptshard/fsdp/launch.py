@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -17,7 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _quiet_known_warnings() -> None:
+    # fairscale 0.4.13 on torch 2.x: deprecations it cannot fix any more.
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*_base. is a private function")
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    _quiet_known_warnings()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(

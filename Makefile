@@ -1,0 +1,31 @@
+# Set-up, demo, tests and benchmarks. Everything installs into .venv.
+# torch is pinned for set-up: 2.13.0 (CPU) installs from local disk here;
+# an unpinned torch would pull a multi-GB CUDA build.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/pip install -q matplotlib
+	$(BIN)/python scripts/bench.py
+
+clean:
+	rm -rf demo bench-out
