@@ -1,0 +1,170 @@
+"""Benchmarks: ckptshard vs fairscale's consolidate_shard_weights + torch.save, vs cp -r.
+
+Makes a synthetic fairscale checkpoint (fairseq container, fp32, default
+2 GiB in 8 shards, 24 FSDP instances), then runs each command in its own
+process, side by side in one run, and reports wall time, the ratio to
+``cp -r`` of the shard folder, and the process's peak RSS (from wait4).
+Warm page cache for every command alike (the first cp warms it); before
+every timed command the page cache's dirty pages are written back (``sync``,
+not timed), and commands run round-robin ``--repeat`` times: the median is
+reported, since this machine's virtual disk makes single runs swing 3x.
+ckptshard fsyncs its outputs; ``cp -r`` does not, so the baseline is the
+cheaper of the two.
+
+    .venv/bin/python scripts/bench.py                    # 2 GiB, 8 shards
+    .venv/bin/python scripts/bench.py --sizes 1,2,4      # scaling table (+ plot with --plot)
+    .venv/bin/python scripts/bench.py --optimizer        # with Adam state (3x the bytes)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = sys.executable
+LAYERS = 23  # + the root instance = 24 FSDP instances
+
+FAIRSCALE_CONSOLIDATE = """
+import sys, torch
+from fairscale.nn import FullyShardedDataParallel as FSDP
+src, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+shards = [torch.load(f"{src}/checkpoint_last-shard{r}.pt", weights_only=True) for r in range(n)]
+full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
+torch.save(full, out)
+"""
+
+# metaseq-style resharding: consolidate everything in memory, then re-split each flat param.
+METASEQ_RESHARD = """
+import os, sys, torch
+import torch.nn.functional as F
+from fairscale.nn import FullyShardedDataParallel as FSDP
+src, m, n, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+shards = [torch.load(f"{src}/checkpoint_last-shard{r}.pt", weights_only=True) for r in range(m)]
+metas = [s["fsdp_metadata"] for s in shards]
+full = FSDP.consolidate_shard_weights([s["model"] for s in shards], metas)
+os.makedirs(out)
+for rank in range(n):
+    local = {}
+    for inst in metas[0]["param_metadata"]:
+        for key, info in inst["params"].items():
+            flat = torch.cat([full[".".join(x for x in (inst["fsdp_path"], name) if x)].reshape(-1) for name in info["names"]])
+            chunks = list(flat.chunk(n)) + [flat.new_empty(0)] * n
+            c = chunks[0].numel()
+            local[".".join(x for x in (inst["fsdp_path"], key) if x)] = F.pad(chunks[rank], [0, c - chunks[rank].numel()]).clone()
+    torch.save({"model": local}, f"{out}/checkpoint_last-shard{rank}.pt")
+"""
+
+
+def run(cmd: List[str]) -> Tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one command."""
+    os.sync()
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=ROOT)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def gen(folder: str, size_gib: float, shards: int, optimizer: bool) -> None:
+    code = (
+        "import sys, torch; from ckptshard.testing.synthetic import write_synthetic, width_for;"
+        f"write_synthetic(sys.argv[1], {shards}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}), optimizer={optimizer})"
+    )
+    subprocess.run([PY, "-c", code, folder], check=True)
+
+
+def _clean(out: str) -> None:
+    for p in (out, out + ".pt", out + ".safetensors"):
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.unlink(p)
+
+
+def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairscale: bool, repeat: int) -> Dict[str, Tuple[float, int]]:
+    src = os.path.join(work, f"src-{size_gib}g-{shards}{'-adam' if optimizer else ''}")
+    if not os.path.isdir(src):
+        gen(src, size_gib, shards, optimizer)
+    out = os.path.join(work, "out")
+    ck = [PY, "-m", "ckptshard.cli"]
+    cases: List[Tuple[str, List[str]]] = [
+        ("cp -r", ["cp", "-r", src, out]),
+        ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
+        ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
+        (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),
+    ]
+    if fairscale:
+        cases.insert(1, ("fairscale consolidate_shard_weights + torch.save", [PY, "-c", FAIRSCALE_CONSOLIDATE, src, str(shards), out + ".pt"]))
+        cases.append((f"metaseq-style reshard {shards}->3 (consolidate, re-split)", [PY, "-c", METASEQ_RESHARD, src, str(shards), "3", out]))
+    # 3 -> 8: from a 3-shard copy made by ckptshard itself.
+    three = os.path.join(work, "three")
+    shutil.rmtree(three, ignore_errors=True)
+    run(ck + ["reshard", src, "-n", "3", "-o", three, "-q"])
+    cases.append((f"ckptshard reshard 3->{shards}", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q"]))
+    run(["cp", "-r", src, out])  # warm the page cache
+    _clean(out)
+    samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
+    for _ in range(repeat):
+        for name, cmd in cases:
+            samples[name].append(run(cmd))
+            _clean(out)
+    shutil.rmtree(three)
+    return {name: (statistics.median(w for w, _ in v), max(r for _, r in v)) for name, v in samples.items()}
+
+
+def table(size_gib: float, results: Dict[str, Tuple[float, int]]) -> str:
+    cp = results["cp -r"][0]
+    model = size_gib * 2**30
+    lines = [f"| command ({size_gib:g} GiB) | median wall s | x cp -r | peak RSS MiB | RSS / model |", "|---|---:|---:|---:|---:|"]
+    for name, (wall, rss) in results.items():
+        lines.append(f"| {name} | {wall:.2f} | {wall / cp:.2f} | {rss / 2**20:.0f} | {rss / model:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="2", help="model sizes in GiB, comma separated")
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--optimizer", action="store_true", help="include Adam state (3x the bytes)")
+    ap.add_argument("--no-fairscale", action="store_true", help="skip the fairscale/metaseq baselines")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per command; the median wall time is reported")
+    ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
+    ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
+    args = ap.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
+          f"python {sys.version.split()[0]}; warm page cache\n")
+    all_results = {}
+    for size in (float(s) for s in args.sizes.split(",")):
+        all_results[size] = bench_size(args.work, size, args.shards, args.optimizer, not args.no_fairscale, args.repeat)
+        print(table(size, all_results[size]) + "\n", flush=True)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+        sizes = sorted(all_results)
+        for name in all_results[sizes[0]]:
+            a1.plot(sizes, [all_results[s][name][0] for s in sizes], marker="o", label=name)
+            a2.plot(sizes, [all_results[s][name][1] / 2**20 for s in sizes], marker="o", label=name)
+        a1.set(xlabel="model GiB", ylabel="wall s", title="time")
+        a2.set(xlabel="model GiB", ylabel="peak RSS MiB", title="memory")
+        a1.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
