@@ -151,5 +151,20 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
     click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.pass_context
+def verify(ctx: click.Context, path: str) -> None:
+    """Re-check an output of ckptshard (a folder of shards, or a consolidated
+    file) against its manifest (sizes, SHA-256) and its own metadata.
+    Exits 2 on any difference."""
+    from .execute.verify import verify as run
+
+    problems = _run(ctx, lambda: run(path))
+    if problems:
+        raise BadInput(f"{path}: " + "; ".join(problems))
+    click.echo(f"{path}: ok")
+
+
 if __name__ == "__main__":
     main()

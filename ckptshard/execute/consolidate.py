@@ -8,8 +8,9 @@ from typing import Any, Dict, List, Optional
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier, Fill, whole
+from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint, open_checkpoint
+from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
 from ..plan.consolidate import consolidated_weights, split_by_part
@@ -62,6 +63,22 @@ def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Opt
     return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
 
 
+def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
+    return {
+        "files": [os.path.abspath(p) for p in ckpt.files.paths],
+        "container": ckpt.container.kind,
+        "world_size": ckpt.world_size,
+        "fingerprint": fingerprint(ckpt),
+    }
+
+
+def write_file_manifest(output: str, source: Dict[str, Any], command: str, overwrite: bool) -> None:
+    """``OUT.manifest.json`` beside a single-file output, itself written atomically."""
+    manifest = build_manifest(os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command)
+    with atomic_output(manifest_path(output), is_dir=False, overwrite=True) as tmp:
+        write_json(tmp, manifest)
+
+
 def optimizer_path(out: str) -> str:
     stem = out[: -len(os.path.splitext(out)[1])] if os.path.splitext(out)[1] else out.rstrip("/")
     return stem + ".optim.pt"
@@ -109,10 +126,14 @@ def consolidate(
                 write_safetensors(tmp, weights, copier, tick, {"format": "pt"})
         else:
             with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-                write_safetensors_index(tmp, weights, max_shard_size or 0, copier, tick, {"format": "pt"})
+                names = write_safetensors_index(tmp, weights, max_shard_size or 0, copier, tick, {"format": "pt"})
+                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "consolidate"))
         outputs.append(out)
         if opt_out is not None:
             with atomic_output(opt_out, is_dir=False, overwrite=overwrite) as tmp:
                 write_torch(tmp, optim, copier, tick, trust_pickles)
             outputs.append(opt_out)
+    for o in outputs:
+        if os.path.isfile(o):
+            write_file_manifest(o, source_info(ckpt), "consolidate", overwrite)
     return ConsolidateResult(outputs, len(weights), total)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -11,11 +11,13 @@ from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier
 from ..io.full_state import full_state_refs
+from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
+from .consolidate import source_info
 from .progress import progress_bar
 
 
@@ -41,6 +43,7 @@ def write_rank_files(
     desc: str,
     overwrite: bool,
     progress: bool,
+    source: Dict[str, Any],
 ) -> ReshardResult:
     """Write one file per planned rank tree into folder ``dst``, named like ``template``'s.
 
@@ -59,6 +62,7 @@ def write_rank_files(
                 list_name = shard_list_name(template)
                 torch.save({"type": "shard_list", "shards": names}, os.path.join(tmp, list_name))
                 names.append(list_name)
+            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, desc.split()[0]))
     return ReshardResult(dst, names, total)
 
 
@@ -82,7 +86,8 @@ def reshard(
     check_output(dst, overwrite, tuple(ckpt.files.paths))
     # Plan every rank first: a bad input fails here, before any byte is written.
     trees = [resharded_file(ckpt, world_size, r) for r in range(world_size)]
-    return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress)
+    return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
+                            source_info(ckpt))
 
 
 def shard(
@@ -113,4 +118,5 @@ def shard(
     for rank in range(world_size):
         optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
         trees.append(sharded_from_full(template, refs, world_size, rank, optim))
-    return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress)
+    source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}
+    return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)

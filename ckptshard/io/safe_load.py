@@ -147,17 +147,31 @@ def load_lazy(path: str, trust_pickles: bool = False) -> Any:
                 obj = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg) or re.search(r"GLOBAL ([\w.]+)", msg)
-        wanted = m.group(1) if m else "an unsupported global"
-        raise CheckpointError(
-            f"{path}: refused to unpickle {wanted} (safe loading); "
-            "pass --trust-pickles only if you trust this file"
-        ) from None
+        m = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", msg)
+        if m:
+            raise CheckpointError(
+                f"{path}: refused to unpickle {m.group(1)} (safe loading); "
+                "pass --trust-pickles only if you trust this file"
+            ) from None
+        raise CheckpointError(f"{path}: corrupted pickle: {_unpickler_detail(msg)}") from None
     except CheckpointError:
         raise
     except Exception as e:  # torch raises many types for damaged zips
         raise CheckpointError(f"{path}: cannot read checkpoint: {type(e).__name__}: {_first_line(e)}") from None
     return _to_refs(path, obj)
+
+
+def _unpickler_detail(msg: str) -> str:
+    """The informative line of torch's long weights-only failure message."""
+    lines = [l.strip() for l in msg.splitlines() if l.strip()]
+    for l in lines:
+        if "WeightsUnpickler error:" in l:
+            rest = l.split("WeightsUnpickler error:", 1)[1].strip()
+            if rest:
+                return rest
+    skip = ("Weights only load failed", "Check the documentation", "WeightsUnpickler error:", "Please file an issue")
+    useful = [l for l in lines if not l.startswith(skip)]
+    return useful[0][:200] if useful else "unreadable"
 
 
 def _first_line(e: BaseException) -> str:

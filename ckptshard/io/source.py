@@ -63,7 +63,53 @@ def open_checkpoint(src: str, trust_pickles: bool = False) -> ShardedCheckpoint:
         if other != container:
             raise CheckpointError(f"{files.paths[r]}: a {other.kind} file among {container.kind} shards")
     parts = [_part_layout(files, objs, spec) for spec in container.parts]
-    return ShardedCheckpoint(files, container, objs, ShardedLayout(len(objs), tuple(parts)), trust_pickles)
+    ckpt = ShardedCheckpoint(files, container, objs, ShardedLayout(len(objs), tuple(parts)), trust_pickles)
+    check_same_save(ckpt)
+    return ckpt
+
+
+# Values that identify one save of one run, where the container has them.
+_PROGRESS_PATHS = {
+    "fairseq": [("optimizer_history", -1, "num_updates"), ("extra_state", "epoch"),
+                ("extra_state", "train_iterator", "epoch"), ("extra_state", "train_iterator", "iterations_in_epoch")],
+    "metaseq": [("optimizer_history", -1, "num_updates"), ("extra_state", "epoch"),
+                ("extra_state", "train_iterator", "epoch"), ("extra_state", "train_iterator", "iterations_in_epoch")],
+    "vissl": [("iteration",), ("phase_idx",), ("train_phase_idx",), ("type",)],
+    "plain": [("step",), ("iteration",), ("epoch",)],
+}
+
+
+def _progress_values(ckpt: ShardedCheckpoint, rank: int) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for path in _PROGRESS_PATHS.get(ckpt.container.kind, []):
+        try:
+            v = get_path(ckpt.objs[rank], path)
+        except (KeyError, IndexError, TypeError):
+            continue
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[".".join(map(str, path))] = v
+    osd = ckpt.optimizer_state(rank)
+    if isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping):
+        for pid, entry in sorted(osd["state"].items(), key=lambda kv: str(kv[0]))[:1]:
+            step = entry.get("step") if isinstance(entry, Mapping) else None
+            if isinstance(step, TensorRef) and step.numel == 1:
+                step = step.read().item()
+            if isinstance(step, (int, float)):
+                out[f"optimizer step of entry {pid}"] = float(step)
+    return out
+
+
+def check_same_save(ckpt: ShardedCheckpoint) -> None:
+    """Refuse shards from different steps or runs: progress counters must agree on every rank."""
+    want = _progress_values(ckpt, 0)
+    for r in range(1, ckpt.world_size):
+        got = _progress_values(ckpt, r)
+        for key in sorted(set(want) | set(got)):
+            if want.get(key) != got.get(key):
+                raise CheckpointError(
+                    f"{ckpt.files.paths[r]}: {key} is {got.get(key)!r} but rank 0 has {want.get(key)!r}: "
+                    "shards from different steps or runs"
+                )
 
 
 def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:

@@ -22,8 +22,13 @@ def _entries(ckpt: ShardedCheckpoint) -> List[Tuple[Part, FsdpInstance, FlatPara
     return ckpt.layout.flat_params()
 
 
+def _entry_shape(osd: Mapping[str, Any]) -> Dict[Any, List[str]]:
+    return {pid: sorted(map(str, e)) for pid, e in osd["state"].items()}
+
+
 def _check(ckpt: ShardedCheckpoint) -> None:
     flat = _entries(ckpt)
+    first = None
     for r in range(ckpt.world_size):
         osd = ckpt.optimizer_state(r)
         where = f"{ckpt.files.paths[r]}: optimizer"
@@ -34,6 +39,12 @@ def _check(ckpt: ShardedCheckpoint) -> None:
             raise CheckpointError(
                 f"{where}: param_groups number {len(ids)} parameters, the model has {len(flat)} flat parameters"
             )
+        if not isinstance(osd["state"], Mapping) or not all(isinstance(e, Mapping) for e in osd["state"].values()):
+            raise CheckpointError(f"{where}: state is not a dict of per-parameter dicts")
+        if first is None:
+            first = _entry_shape(osd)
+        elif _entry_shape(osd) != first:
+            raise CheckpointError(f"{where}: state entries or their keys differ from rank 0's")
         for pid, entry in osd["state"].items():
             if not isinstance(pid, int) or not 0 <= pid < len(flat):
                 raise CheckpointError(f"{where}: state entry {pid!r} names no parameter")

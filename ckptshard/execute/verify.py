@@ -1,0 +1,25 @@
+"""``verify``: re-check an output against its manifest and its own structure."""
+from __future__ import annotations
+
+import os
+from typing import List
+
+from ..errors import CheckpointError
+from ..io.full_state import full_state_refs
+from ..io.manifest import verify_manifest
+from ..io.source import open_checkpoint
+
+
+def verify(path: str) -> List[str]:
+    """Problems found (empty: the checkpoint matches its manifest and reads back whole)."""
+    problems = verify_manifest(path)
+    if problems:
+        return problems
+    try:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+            open_checkpoint(path)  # every rank's metadata, sizes and padding agree
+        else:
+            full_state_refs(path)
+    except CheckpointError as e:
+        problems.append(str(e))
+    return problems

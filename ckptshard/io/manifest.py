@@ -1,0 +1,69 @@
+"""Manifests: sizes and checksums of what ckptshard wrote, and their re-check.
+
+A folder output carries ``ckptshard-manifest.json`` inside it; a file output
+``OUT.manifest.json`` beside it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Mapping
+
+from .. import __version__
+from ..errors import CheckpointError
+
+MANIFEST = "ckptshard-manifest.json"
+
+
+def sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            block = f.read(16 << 20)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def manifest_path(output: str) -> str:
+    return os.path.join(output, MANIFEST) if os.path.isdir(output) else output + ".manifest.json"
+
+
+def build_manifest(root: str, names: List[str], source: Mapping[str, Any], command: str) -> Dict[str, Any]:
+    """Describe files ``names`` under folder ``root`` (or ``root`` itself when ``names`` is ``[""]``)."""
+    files = {}
+    for n in names:
+        p = os.path.join(root, n) if n else root
+        files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), "sha256": sha256_of(p)}
+    return {"ckptshard_version": __version__, "command": command, "source": dict(source), "files": files}
+
+
+def write_json(path: str, obj: Mapping[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def verify_manifest(output: str) -> List[str]:
+    """Problems found checking ``output`` against its manifest (empty: all good)."""
+    mpath = manifest_path(output)
+    if not os.path.isfile(mpath):
+        raise CheckpointError(f"{output}: no manifest ({mpath})")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{mpath}: not a ckptshard manifest") from None
+    base = output if os.path.isdir(output) else os.path.dirname(os.path.abspath(output))
+    problems = []
+    for name, info in sorted(files.items()):
+        p = os.path.join(base, name)
+        if not os.path.isfile(p):
+            problems.append(f"{name}: missing")
+        elif os.path.getsize(p) != info["bytes"]:
+            problems.append(f"{name}: {os.path.getsize(p)} bytes, manifest says {info['bytes']}")
+        elif sha256_of(p) != info["sha256"]:
+            problems.append(f"{name}: checksum differs from the manifest (modified or corrupted)")
+    return problems

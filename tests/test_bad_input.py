@@ -1,0 +1,193 @@
+"""Bad input: clear errors, nothing written; interrupted runs leave nothing that looks complete."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ckptshard.errors import CheckpointError
+from ckptshard.execute.consolidate import consolidate
+from ckptshard.execute.reshard import reshard
+from ckptshard.execute.verify import verify
+
+
+def copy_fixture(fixtures, tmp_path, ws=3, container="fairseq"):
+    dst = tmp_path / "src"
+    shutil.copytree(fixtures[ws] / container, dst)
+    return dst
+
+
+def edit(path, fn):
+    obj = torch.load(path, weights_only=True)
+    fn(obj)
+    torch.save(obj, path)
+
+
+def expect_error(src, needle, tmp_path):
+    for run in (lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False),
+                lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False)):
+        with pytest.raises(CheckpointError) as e:
+            run()
+        assert needle in str(e.value), str(e.value)
+    assert not any(p.name.startswith(("o", ".o")) for p in tmp_path.iterdir())
+
+
+def test_missing_shard(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    os.unlink(src / "checkpoint_last-shard1.pt")
+    expect_error(src, "missing shard(s) checkpoint_last-shard1.pt of 3", tmp_path)
+
+
+def test_extra_shard(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    shutil.copy(src / "checkpoint_last-shard2.pt", src / "checkpoint_last-shard3.pt")
+    expect_error(src, "expected", tmp_path)
+
+
+def test_rank_named_twice(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    shutil.copy(src / "checkpoint_last-shard1.pt", src / "checkpoint_last-shard01.pt")
+    expect_error(src, "rank 1 appears more than once", tmp_path)
+
+
+def test_shards_from_different_steps(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    edit(src / "checkpoint_last-shard2.pt", lambda o: o["optimizer_history"][-1].update(num_updates=7))
+    expect_error(src, "shards from different steps or runs", tmp_path)
+
+
+def test_shards_from_different_runs(fixtures, half_fixture, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    shutil.copy(half_fixture / "fairseq" / "checkpoint_last-shard1.pt", src / "checkpoint_last-shard1.pt")
+    expect_error(src, "rank 0", tmp_path)
+
+
+def test_metadata_disagree(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    edit(src / "checkpoint_last-shard1.pt",
+         lambda o: o["fsdp_metadata"]["param_metadata"][1]["params"]["flat_param_0"].update(padding=5))
+    expect_error(src, "padding 5", tmp_path)
+
+
+def test_truncated_file(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    p = src / "checkpoint_last-shard0.pt"
+    p.write_bytes(p.read_bytes()[:-3000])
+    expect_error(src, "checkpoint_last-shard0.pt", tmp_path)
+
+
+def test_not_a_checkpoint(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    (src / "checkpoint_last-shard0.pt").write_text("hello")
+    expect_error(src, "not a zip-format torch.save checkpoint", tmp_path)
+
+
+def test_missing_metadata_key_names_keys_found(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    for r in range(3):
+        edit(src / f"checkpoint_last-shard{r}.pt", lambda o: o.pop("fsdp_metadata"))
+    expect_error(src, "keys found: ['args', 'cfg', 'extra_state'", tmp_path)
+
+
+def test_missing_flat_param(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    edit(src / "checkpoint_last-shard1.pt", lambda o: o["model"].pop("trunk.gate.flat_param_0"))
+    expect_error(src, "trunk.gate.flat_param_0", tmp_path)
+
+
+def test_wrong_shard_shape(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    edit(src / "checkpoint_last-shard1.pt", lambda o: o["model"].update({"trunk.flat_param_0": torch.zeros(7)}))
+    expect_error(src, "holds 7 elements", tmp_path)
+
+
+def test_optimizer_entry_of_wrong_size(fixtures, tmp_path):
+    src = copy_fixture(fixtures, tmp_path)
+    edit(src / "checkpoint_last-shard0.pt",
+         lambda o: o["last_optimizer_state"]["state"][1].update(exp_avg=torch.zeros(3)))
+    with pytest.raises(CheckpointError, match=r"state\[1\]\['exp_avg'\] has 3 elements"):
+        reshard(str(src), str(tmp_path / "o"), 2, progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_not_enough_disk_space(fixtures, tmp_path, monkeypatch):
+    import ckptshard.io.atomic as atomic
+
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, st):
+            self.f_frsize, self.f_bavail = st.f_frsize, 1
+
+    monkeypatch.setattr(atomic.os, "statvfs", lambda p: Full(real(p)))
+    with pytest.raises(CheckpointError, match="GiB free"):
+        consolidate(str(fixtures[2] / "fairseq"), str(tmp_path / "o.pt"), progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
+    import ckptshard.io.fill as fill
+
+    calls = {"n": 0}
+    real = fill.Copier._copy
+
+    def failing(self, *a):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk on fire")
+        return real(self, *a)
+
+    monkeypatch.setattr(fill.Copier, "_copy", failing)
+    with pytest.raises(OSError):
+        reshard(str(fixtures[3] / "metaseq"), str(tmp_path / "o"), 5, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+SLOW_CONSOLIDATE = """
+import sys, time, ckptshard.io.fill as fill
+real = fill.Copier._copy
+def slow(self, *a):
+    time.sleep(0.2)
+    return real(self, *a)
+fill.Copier._copy = slow
+from ckptshard.cli import main
+sys.argv = ["ckptshard", "consolidate", sys.argv[1], "-o", sys.argv[2], "-q"]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_write_leaves_nothing(fixtures, tmp_path, sig):
+    out = tmp_path / "o.safetensors"
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CONSOLIDATE, str(fixtures[2] / "fairseq"), str(out)],
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not any(tmp_path.iterdir()) and time.time() < deadline:  # the temporary appears
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(sig)
+    p.wait(timeout=60)
+    assert p.returncode != 0
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_manifest_and_verify(fixtures, tmp_path):
+    reshard(str(fixtures[2] / "fairseq"), str(tmp_path / "r"), 3, progress=False)
+    consolidate(str(fixtures[2] / "fairseq"), str(tmp_path / "f.safetensors"), progress=False)
+    m = json.loads((tmp_path / "r" / "ckptshard-manifest.json").read_text())
+    assert sorted(m["files"]) == [f"checkpoint_last-shard{r}.pt" for r in range(3)]
+    assert m["source"]["world_size"] == 2 and m["source"]["fingerprint"]
+    assert verify(str(tmp_path / "r")) == [] and verify(str(tmp_path / "f.safetensors")) == []
+    # One flipped byte in a shard is found.
+    p = tmp_path / "r" / "checkpoint_last-shard1.pt"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    assert verify(str(tmp_path / "r")) == ["checkpoint_last-shard1.pt: checksum differs from the manifest (modified or corrupted)"]
+    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify", str(tmp_path / "r")], capture_output=True, text=True)
+    assert res.returncode == 2 and "checksum differs" in res.stderr
