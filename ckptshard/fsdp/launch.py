@@ -25,12 +25,12 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*_base. is a private function")
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple) -> None:
     _quiet_known_warnings()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         from .cpu_compat import install_cpu_compat
@@ -42,15 +42,18 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
     """Spawn ``world_size`` processes, each calling ``fn(rank, world_size, *args)``.
+
+    ``backend``: gloo (CPU; the CPU compat layer is installed where CUDA is
+    absent) or nccl (one GPU per rank).
 
     ``fn`` must be importable (module level): the processes are spawned, not
     forked, so a parent that already started torch threads cannot deadlock them.
     """
     mp.start_processes(
         _worker,
-        args=(world_size, free_port(), fn, args),
+        args=(world_size, free_port(), backend, fn, args),
         nprocs=world_size,
         join=True,
         start_method="spawn",

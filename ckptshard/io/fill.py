@@ -128,3 +128,30 @@ class Copier:
             n = min(step, s.length - a)
             data = s.ref.read_flat(s.src_start + a, s.src_start + a + n).to(dtype)
             os.pwrite(out_fd, data.view(torch.uint8).numpy().tobytes(), out_offset + (s.dst_start + a) * isz)
+
+
+def read_fill(fill: Fill) -> torch.Tensor:
+    """The Fill as an in-memory tensor (for loading into a live model)."""
+    out = torch.zeros(fill.numel, dtype=fill.dtype)
+    for s in fill.sources:
+        if s.length:
+            out[s.dst_start : s.dst_start + s.length] = s.ref.read_flat(s.src_start, s.src_start + s.length).to(fill.dtype)
+    return out.view(fill.shape)
+
+
+def materialize(tree: object) -> object:
+    """Every Fill of a tree read into memory; a Fill used twice becomes one tensor (ties)."""
+    from .tree import map_leaves
+
+    memo: Dict[int, torch.Tensor] = {}
+
+    def one(leaf: object) -> object:
+        if isinstance(leaf, Fill):
+            if id(leaf) not in memo:
+                memo[id(leaf)] = read_fill(leaf)
+            return memo[id(leaf)]
+        if isinstance(leaf, TensorRef):
+            return leaf.read()
+        return leaf
+
+    return map_leaves(tree, one)

@@ -24,11 +24,12 @@ STEPS = 3
 LR = 1e-2
 
 
-def wrap_fixture_model(model: VisslLikeModel, variant: str) -> Any:
-    """Nested FSDP wrapping of the fixture model (trunk blocks, gate, trunk, prototypes, head, root)."""
+def wrap_fixture_model(model: VisslLikeModel, variant: str, init: Optional[str] = "seed") -> Any:
+    """Nested FSDP wrapping of the fixture trunk, then the library's VISSL-style head and root wrap."""
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
     from ..fsdp.cpu_compat import cpu_fsdp_kwargs
+    from ..fsdp.wrapping import wrap_heads_and_model
 
     cfg = fixture_wrap_kwargs(variant)
     base = cpu_fsdp_kwargs()
@@ -40,12 +41,9 @@ def wrap_fixture_model(model: VisslLikeModel, variant: str) -> Any:
         trunk.blocks[i] = FSDP(trunk.blocks[i], **base, **cfg["trunk"])
     trunk.gate = FSDP(trunk.gate, **base, **cfg["trunk"])
     model.trunk = FSDP(trunk, **base, **cfg["trunk"])
-    head = model.heads[0]
-    for j in range(2):
-        setattr(head, f"prototypes{j}", FSDP(getattr(head, f"prototypes{j}"), **base, **cfg["prototypes"]))
-    model.heads[0] = FSDP(head, **base, **cfg["head"])
     # The root casts inputs to fp16 when mixed precision is on, as VISSL's root wrap does.
-    return FSDP(model, **base, **cfg["root"])
+    return wrap_heads_and_model(model, head_config=cfg["head"], root_config=cfg["root"],
+                                prototypes_config=cfg["prototypes"], init=init)
 
 
 def inner(root: Any) -> VisslLikeModel:

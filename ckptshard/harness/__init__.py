@@ -1,0 +1,1 @@
+"""verify-resume: a resumed multi-process run must match an uninterrupted one."""
