@@ -43,7 +43,7 @@ def test_consolidate_and_reshard_commands(fixtures, tmp_path):
     assert set(got) == set(load_ref(fixtures[2], "full_state_dict.pt"))
     res = cli("reshard", fixtures[2] / "fairseq", "-n", "5", "-o", tmp_path / "r5", "-q")
     assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in (tmp_path / "r5").iterdir()) == [f"checkpoint_last-shard{r}.pt" for r in range(5)]
+    assert sorted(p.name for p in (tmp_path / "r5").iterdir()) == ["checkpoint_last-shard{}.pt".format(r) for r in range(5)] + ["ckptshard-manifest.json"]
 
 
 @pytest.mark.parametrize("args,needle", [
