@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ckptshard
-from ckptshard.testing.fixtures import build_fixture
+from ckptshard.testing.fixtures import build_fixture, source_path
 
 FIXTURE_WORLD_SIZES = (1, 2, 3, 4)
 TARGET_WORLD_SIZES = (1, 2, 3, 4, 5, 8)
@@ -65,7 +65,7 @@ def half_fixture(cache_root: pathlib.Path) -> pathlib.Path:
 
 
 def src_of(folder: pathlib.Path, container: str) -> str:
-    return str(folder / "vissl" / "model_phase2.torch") if container == "vissl" else str(folder / container)
+    return source_path(str(folder), container)
 
 
 def load_ref(folder: pathlib.Path, name: str):

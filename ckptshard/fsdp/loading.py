@@ -26,7 +26,7 @@ from ..layout.model import join
 from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer, resharded_optimizer
 from ..plan.reshard import resharded_state
-from .state import fsdp_instances, init_param_attributes
+from .state import init_param_attributes
 from .wrapping import reset_lazy_init_recursive
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 

@@ -26,9 +26,6 @@ class Container:
     parts: Tuple[PartSpec, ...]
     optimizer: Optional[Path]  # None: no optimizer state saved
 
-    def describe(self) -> str:
-        return self.kind
-
 
 def _is_metadata(x: Any) -> bool:
     return isinstance(x, Mapping) and "param_metadata" in x

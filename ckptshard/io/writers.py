@@ -76,7 +76,8 @@ def write_torch(
     skeleton = map_leaves(tree, to_fake)
     with open(path, "wb") as f, torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(skeleton, f)
-    del skeleton, fakes
+    del skeleton
+    fakes.clear()
     # Read the skeleton's pickle back to learn where each tensor's bytes go.
     if trust_pickles:
         placed = torch.load(path, map_location="meta", weights_only=False)

@@ -47,3 +47,12 @@ def reshard_pieces(numel: int, src_world_size: int, dst_world_size: int, dst_ran
     c = chunk_size(numel, dst_world_size)
     start = min(dst_rank * c, numel)
     return pieces(numel, src_world_size, start, min(start + c, numel))
+
+
+def replica_source(src_world_size: int, dst_world_size: int, rank: int) -> int:
+    """The source rank whose per-rank values (buffers, 0-dim state, container keys) ``rank`` gets.
+
+    Its own when the world size is unchanged (M -> M is an exact copy);
+    otherwise rank 0's, as loading the consolidated state into FSDP gives.
+    """
+    return rank if dst_world_size == src_world_size else 0

@@ -13,9 +13,9 @@ from ..errors import CheckpointError
 from ..io.fill import Fill, Source, whole
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree
+from ..io.tree import copy_tree, map_leaves
 from ..layout.model import FlatParam, FsdpInstance, Part
-from .intervals import pieces, reshard_pieces
+from .intervals import pieces, replica_source, reshard_pieces
 
 
 def _entries(ckpt: ShardedCheckpoint) -> List[Tuple[Part, FsdpInstance, FlatParam]]:
@@ -66,9 +66,8 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
     _check(ckpt)
     M, flat = ckpt.world_size, _entries(ckpt)
     same = world_size == M
-    # Per-rank values (0-dim tensors) follow the weights' buffer rule: kept
-    # per rank when the world size is unchanged, else rank 0's.
-    own = rank if same else 0
+    # Per-rank values (0-dim tensors) follow the weights' buffer rule.
+    own = replica_source(M, world_size, rank)
     base = ckpt.optimizer_state(own)
     out = copy_tree(base)
     out["state"] = {}
@@ -96,8 +95,6 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
 
 
 def _wrap_refs(tree: Any) -> Any:
-    from ..io.tree import map_leaves
-
     return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
 
 

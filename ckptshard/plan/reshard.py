@@ -9,7 +9,7 @@ from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
 from ..io.tree import copy_tree, map_leaves, set_path
 from ..layout.model import metadata_of
-from .intervals import reshard_pieces
+from .intervals import replica_source, reshard_pieces
 from .optimizer import resharded_optimizer
 
 
@@ -22,7 +22,7 @@ def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, r
     into FSDP would give.
     """
     M = ckpt.world_size
-    own = rank if world_size == M else 0
+    own = replica_source(M, world_size, rank)
     part = ckpt.layout.parts[part_index]
     flat = {inst.local_key(fp): (inst, fp) for inst, fp in part.flat_params()}
     sds = [ckpt.local_state(r, part_index) for r in range(M)]
@@ -50,7 +50,7 @@ def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Any:
 
     Non-model keys are carried from the source rank the buffers come from.
     """
-    own = rank if world_size == ckpt.world_size else 0
+    own = replica_source(ckpt.world_size, world_size, rank)
     tree = copy_tree(ckpt.objs[own])
     for pi, spec in enumerate(ckpt.container.parts):
         set_path(tree, spec.weights, resharded_state(ckpt, pi, world_size, rank))
