@@ -37,7 +37,15 @@ def test_consolidated_equals_live_state_dict(fixtures, container, ws, fmt, tmp_p
 
 def fairscale_offline(folder, ws):
     shards = [torch.load(folder / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True) for r in range(ws)]
-    return FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
+    # strict=False: with strict=True it raises KeyError on non-persistent buffers (below).
+    return FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False)
+
+
+def test_fairscale_offline_strict_fails_on_non_persistent_buffers(fixtures):
+    # local_metadata_dict() lists every named buffer; state_dict() stores only persistent ones.
+    shards = [torch.load(fixtures[2] / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True) for r in range(2)]
+    with pytest.raises(KeyError, match="trunk.position_cache"):
+        FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
 
 
 def test_fairscale_offline_fails_at_world_size_1_where_we_do_not(fixtures):

@@ -111,7 +111,7 @@ def test_world_size_1_source_reshards(resharded, fixtures, container, n, tmp_pat
 def test_fairscale_offline_consolidates_our_output(resharded, fixtures, m, n):
     folder = resharded[(m, "fairseq", n)]
     shards = [rank_file(folder, "fairseq", r) for r in range(n)]
-    full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
+    full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False)
     want = load_ref(fixtures[m], "full_state_dict.pt")
     want.pop("trunk.embed_out.weight")  # fairscale #815: its helper drops this nested tie
     assert_tensors_equal(dict(sorted(full.items())), dict(sorted(want.items())), "fairscale offline")

@@ -46,7 +46,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
                 "no_broadcast_optim_state": inst.no_broadcast_optim_state,
             })
         buffers = []
-        for b in part.buffers:
+        for b in part.stored_buffers:
             ref = sd0[b]
             total_bytes += ref.nbytes
             buffers.append({"name": part.prefix + b, "shape": list(ref.shape), "dtype": _dtype(ref.dtype)})
@@ -56,6 +56,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             "instances": instances,
             "buffers": buffers,
             "extra_tensors": [part.prefix + k for k in ckpt.extra_keys(pi)],
+            "non_persistent_buffers": [part.prefix + b for b in part.unstored_buffers],
         })
     osd = ckpt.optimizer_state(0)
     optim = None
@@ -121,6 +122,8 @@ def format_summary(s: Dict[str, Any]) -> str:
                 lines.append(f"    tied: {dst} = {src}")
         for b in p["buffers"]:
             lines.append(f"  buffer {b['name']}  {tuple(b['shape'])}  {b['dtype']}")
+        for b in p["non_persistent_buffers"]:
+            lines.append(f"  buffer {b} (non-persistent: listed, not stored)")
         for e in p["extra_tensors"]:
             lines.append(f"  other tensor {e} (carried from rank 0)")
     return "\n".join(lines)

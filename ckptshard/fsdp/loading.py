@@ -59,14 +59,20 @@ def top_level_fsdp(model: nn.Module) -> List[Tuple[str, Any]]:
     return out
 
 
+def _non_persistent(m: nn.Module) -> set:
+    return {_clean(join(name, b)) for name, mod in m.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())}
+
+
 def _fsdp_logical_keys(m: Any) -> List[str]:
+    """The names ``m.state_dict()`` would have, from its metadata (no collectives)."""
     md = m.local_metadata_dict()
     keys = []
     for inst in md["param_metadata"]:
         for info in inst["params"].values():
             keys += [join(inst["fsdp_path"], n) for n in info["names"]]
         keys += [join(inst["fsdp_path"], dst) for _, dst in inst["shared_param_info"]]
-    return keys + list(md["buffer_names"])
+    skip = _non_persistent(m)
+    return keys + [b for b in md["buffer_names"] if b not in skip]
 
 
 def _plain_tensors(model: nn.Module, inside: Sequence[str]) -> Dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ that the ranks agree with each other, and builds the layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
@@ -118,10 +119,13 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
     numels = [{k: v.numel for k, v in sd.items()} for sd in sds]
     dtypes = {k: v.dtype for k, v in sds[0].items()}
     part = layout_from_metadata(spec.label, spec.prefix, metas, numels, dtypes)
+    # local_metadata_dict() lists every named buffer, state_dict() only the
+    # persistent ones: a listed buffer no rank stored is non-persistent.
+    part = dataclasses.replace(part, unstored_buffers=tuple(b for b in part.buffers if not any(b in sd for sd in sds)))
     for r, sd in enumerate(sds):
-        for name in part.buffers:
+        for name in part.stored_buffers:
             if name not in sd:
-                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} listed but not stored")
+                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} stored by other ranks, not this one")
         for inst, fp in part.flat_params():
             ref = sd[inst.local_key(fp)]
             if ref.dtype != fp.dtype:

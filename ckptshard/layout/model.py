@@ -76,7 +76,12 @@ class Part:
     label: str  # "model", "trunk", "heads.0"
     prefix: str  # logical names of this part start with it: "", "trunk.", "heads.0."
     instances: Tuple[FsdpInstance, ...]
-    buffers: Tuple[str, ...]
+    buffers: Tuple[str, ...]  # as the metadata lists them
+    unstored_buffers: Tuple[str, ...] = ()  # listed, never stored: non-persistent
+
+    @property
+    def stored_buffers(self) -> Tuple[str, ...]:
+        return tuple(b for b in self.buffers if b not in self.unstored_buffers)
 
     def flat_params(self) -> List[Tuple[FsdpInstance, FlatParam]]:
         return [(inst, fp) for inst in self.instances for fp in inst.flat_params]

@@ -36,7 +36,7 @@ def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
                     out[name] = Fill(m.shape, fp.dtype, tuple(sources))
             for src, dst in inst.shared:
                 out[part.prefix + inst.logical_name(dst)] = out[part.prefix + inst.logical_name(src)]
-        for name in part.buffers:
+        for name in part.stored_buffers:
             out[part.prefix + name] = whole(sds[0][name])
         for key in ckpt.extra_keys(pi):
             out[part.prefix + key] = whole(sds[0][key])

@@ -26,7 +26,7 @@ def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, TensorRe
                     wrong.append(f"{name} {list(full[name].shape)} (plan: {list(m.shape)})")
             for src, dst in inst.shared:
                 expected.add(part.prefix + inst.logical_name(dst))
-        for b in part.buffers:
+        for b in part.stored_buffers:
             expected.add(part.prefix + b)
             if part.prefix + b not in full:
                 missing.append(part.prefix + b)

@@ -46,6 +46,8 @@ class Trunk(nn.Module):
         self.gate = Gate()
         self.embed_out = nn.Linear(DIM, DIM)
         self.embed_out.weight = self.embed_in.weight  # tied, like input/output embeddings
+        # Listed by local_metadata_dict(), never stored by state_dict().
+        self.register_buffer("position_cache", torch.arange(float(DIM)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.stem_bn(self.embed_in(x)))
