@@ -91,19 +91,26 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option("--max-shard-size", default=None, help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB).")
 @click.option("--container", is_flag=True, help="Keep the source framework's container (VISSL 'consolidated', fairseq/metaseq 'model' + other keys).")
 @click.option("--optimizer", is_flag=True, help="Also write the full optimizer state (fairscale's gather_full_optim_state_dict format): inside the container, or beside OUT as OUT.optim.pt.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Cast floating-point tensors (integers such as num_batches_tracked are kept).")
+@click.option("--select", multiple=True, help="Keep only tensors whose name starts with this prefix, e.g. 'trunk.' (repeatable).")
+@click.option("--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches).")
+@click.option("--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable).")
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
 def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional[str], container: bool,
-                optimizer: bool, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+                optimizer: bool, dtype: Optional[str], select: tuple, strip_prefix: tuple, rename: tuple,
+                overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
     """Write one full state dict from the shards in SRC, streaming: memory stays
     flat whatever the model's size."""
     from .execute.consolidate import consolidate as run
 
     res = _run(ctx, lambda: run(src, out, max_shard_size=_size(max_shard_size), container=container,
                                 optimizer=optimizer, overwrite=overwrite, trust_pickles=trust_pickles,
-                                progress=not quiet))
+                                progress=not quiet, select=select, strip_prefix=strip_prefix, rename=rename,
+                                dtype=dtype))
     click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
@@ -15,6 +15,7 @@ from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
+from ..plan.transform import DTYPES, parse_renames, transform
 from .progress import progress_bar
 
 TORCH_SUFFIXES = (".pt", ".pth", ".torch", ".bin", ".ckpt")
@@ -94,15 +95,28 @@ def consolidate(
     overwrite: bool = False,
     trust_pickles: bool = False,
     progress: bool = True,
+    select: Sequence[str] = (),
+    strip_prefix: Sequence[str] = (),
+    rename: Sequence[str] = (),
+    dtype: Optional[str] = None,
 ) -> ConsolidateResult:
-    """Write the full state dict of the sharded checkpoint ``src`` to ``out``."""
+    """Write the full state dict of the sharded checkpoint ``src`` to ``out``.
+
+    ``select``/``strip_prefix``/``rename``/``dtype``: see :func:`ckptshard.plan.transform.transform`.
+    """
     fmt = output_format(out, max_shard_size)
     if container and fmt != "torch":
         raise CheckpointError("--container needs a torch.save output (.pt/.pth/.torch)")
+    renames = parse_renames(rename)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    reshaping = bool(select or strip_prefix or renames)
+    if reshaping and (container or optimizer):
+        raise CheckpointError("--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer")
     ckpt = open_checkpoint(src, trust_pickles)
     inputs = tuple(ckpt.files.paths)
     check_output(out, overwrite, inputs)
-    weights = consolidated_weights(ckpt)
+    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
     optim = None
     if optimizer:
         if ckpt.container.optimizer is None:

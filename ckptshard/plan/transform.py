@@ -1,0 +1,63 @@
+"""Select, rename and cast the tensors of a planned full state dict. Pure."""
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from ..io.fill import Fill
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_renames(specs: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
+    out = []
+    for s in specs:
+        if "=" not in s:
+            raise CheckpointError(f"--rename {s!r}: expected FROM=TO")
+        a, b = s.split("=", 1)
+        if not a:
+            raise CheckpointError(f"--rename {s!r}: FROM is empty")
+        out.append((a, b))
+    return tuple(out)
+
+
+def transform(
+    tensors: Mapping[str, Fill],
+    select: Sequence[str] = (),
+    strip_prefix: Sequence[str] = (),
+    rename: Sequence[Tuple[str, str]] = (),
+    dtype: Optional[torch.dtype] = None,
+) -> Dict[str, Fill]:
+    """Keep names starting with a ``select`` prefix, strip prefixes, replace
+    ``FROM`` by ``TO`` in order, and cast floating-point tensors to ``dtype``
+    (integers such as ``num_batches_tracked`` are kept). Tied tensors stay one
+    Fill. Name collisions are refused.
+    """
+    cast: Dict[int, Fill] = {}
+    out: Dict[str, Fill] = {}
+    origin: Dict[str, str] = {}
+    for name, fill in tensors.items():
+        if select and not any(name.startswith(p) for p in select):
+            continue
+        new = name
+        for p in strip_prefix:
+            if new.startswith(p):
+                new = new[len(p):]
+                break
+        for a, b in rename:
+            new = new.replace(a, b)
+        if not new:
+            raise CheckpointError(f"{name}: renamed to an empty name")
+        if new in out:
+            raise CheckpointError(f"{origin[new]} and {name} would both be named {new!r}")
+        if dtype is not None and fill.dtype.is_floating_point and fill.dtype != dtype:
+            if id(fill) not in cast:
+                cast[id(fill)] = Fill(fill.shape, dtype, fill.sources)
+            fill = cast[id(fill)]
+        out[new] = fill
+        origin[new] = name
+    if select and not out:
+        raise CheckpointError(f"--select {list(select)} matches no tensor")
+    return out
