@@ -177,14 +177,17 @@ def verify(ctx: click.Context, path: str) -> None:
 @click.option("--steps", default=6, show_default=True, help="Training steps of the uninterrupted run.")
 @click.option("--ckpt-step", default=3, show_default=True, help="Step after which the checkpoint is taken and resumed from.")
 @click.option("--scenario", "names", multiple=True, help="Run only scenarios whose name contains this (repeatable).")
+@click.option("--reshard", "extra", multiple=True, metavar="M->N", help="Add a scenario: train at M ranks, reshard, resume at N (repeatable).")
+@click.option("--container", type=click.Choice(["fairseq", "metaseq"]), default="fairseq", show_default=True,
+              help="Container the runs save and resume from.")
 @click.option("--variant", type=click.Choice(["fp32", "mixed"]), default=None, help="Precision for every scenario (default: each scenario's own).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: gloo with the CPU compat layer; cuda: NCCL, one GPU per rank, no compat layer.")
 @click.option("--work", type=click.Path(), default=None, help="Folder for the runs' checkpoints (default: a temporary one, removed).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @click.pass_context
-def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, variant: Optional[str], device: str,
-                  work: Optional[str], as_json: bool) -> None:
+def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, extra: tuple, container: str,
+                  variant: Optional[str], device: str, work: Optional[str], as_json: bool) -> None:
     """Prove that resuming works: real multi-process FSDP training of a
     VISSL-like model, uninterrupted vs stopped, converted (local shards,
     reshard, consolidate before/after head wrapping) and resumed. Same world
@@ -193,9 +196,10 @@ def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, 
     import dataclasses
     import tempfile
 
-    from .harness.verify_resume import DEFAULT_SCENARIOS, format_table, results_json, run_scenarios
+    from .harness.verify_resume import DEFAULT_SCENARIOS, format_table, reshard_scenario, results_json, run_scenarios
 
-    chosen = [s for s in DEFAULT_SCENARIOS if not names or any(n in s.name for n in names)]
+    added = _run(ctx, lambda: [reshard_scenario(s) for s in extra])
+    chosen = [s for s in DEFAULT_SCENARIOS if not (names or added) or any(n in s.name for n in names)] + added
     if variant:
         chosen = [dataclasses.replace(s, variant=variant) for s in chosen]
     if not chosen:
@@ -207,7 +211,8 @@ def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, 
         if torch.cuda.device_count() < need:
             raise BadInput(f"--device cuda needs {need} GPUs, found {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as tmp:
-        results = _run(ctx, lambda: run_scenarios(work or tmp, chosen, steps, ckpt_step, device=device))
+        results = _run(ctx, lambda: run_scenarios(work or tmp, chosen, steps, ckpt_step, device=device,
+                                                  container=container))
     click.echo(json.dumps(results_json(results), indent=2) if as_json else format_table(results))
     if not all(r.ok for r in results):
         sys.exit(1)

@@ -8,8 +8,8 @@ Warm page cache for every command alike (the first cp warms it); before
 every timed command the page cache's dirty pages are written back (``sync``,
 not timed), and commands run round-robin ``--repeat`` times: the median is
 reported, since this machine's virtual disk makes single runs swing 3x.
-ckptshard fsyncs its outputs; ``cp -r`` does not, so the baseline is the
-cheaper of the two.
+ckptshard fsyncs its outputs and checksums them into a manifest; ``cp -r``
+does neither, so ``cp -r && sync`` is reported as the like-for-like baseline.
 
     .venv/bin/python scripts/bench.py                    # 2 GiB, 8 shards
     .venv/bin/python scripts/bench.py --sizes 1,2,4      # scaling table (+ plot with --plot)
@@ -98,6 +98,8 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     ck = [PY, "-m", "ckptshard.cli"]
     cases: List[Tuple[str, List[str]]] = [
         ("cp -r", ["cp", "-r", src, out]),
+        # ckptshard fsyncs what it writes; cp -r leaves that to the (untimed) next sync.
+        ("cp -r && sync (durable, like ckptshard)", ["sh", "-c", f"cp -r '{src}' '{out}' && sync"]),
         ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
         ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
         (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),

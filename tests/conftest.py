@@ -21,6 +21,7 @@ import ckptshard
 from ckptshard.testing.fixtures import build_fixture, source_path
 
 FIXTURE_WORLD_SIZES = (1, 2, 3, 4)
+SOURCE_WORLD_SIZES = FIXTURE_WORLD_SIZES + (5,)  # reshard sources
 TARGET_WORLD_SIZES = (1, 2, 3, 4, 5, 8)
 CONTAINERS = ("fairseq", "metaseq", "vissl")
 
@@ -55,7 +56,7 @@ def cache_root() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def fixtures(cache_root: pathlib.Path) -> Dict[int, pathlib.Path]:
     """World size -> folder of a real 3-step mixed-precision FSDP run (see ckptshard.testing.fixtures)."""
-    return {w: _once(cache_root / f"mixed-ws{w}", lambda d, w=w: build_fixture(d, w, "mixed")) for w in FIXTURE_WORLD_SIZES}
+    return {w: _once(cache_root / f"mixed-ws{w}", lambda d, w=w: build_fixture(d, w, "mixed")) for w in SOURCE_WORLD_SIZES}
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +80,7 @@ def resharded(fixtures, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("resharded")
     out = {}
-    for m in FIXTURE_WORLD_SIZES:
+    for m in SOURCE_WORLD_SIZES:
         for c in CONTAINERS:
             for n in TARGET_WORLD_SIZES:
                 dst = root / f"{c}-{m}to{n}"
@@ -101,12 +102,12 @@ def oracles(fixtures, resharded, cache_root, tmp_path_factory):
     out = {}
     for n in TARGET_WORLD_SIZES:
         jobs = []
-        for m in FIXTURE_WORLD_SIZES:
+        for m in SOURCE_WORLD_SIZES:
             folder = fresh / f"{m}to{n}"
             optim = fixtures[m] / "ref" / "full_optim.pt"
-            if not optim.exists():  # fairscale cannot gather at world size 1: use the 1->2 oracle's input
-                continue
-            jobs.append({"full": str(fixtures[m] / "ref" / "full_state_dict.pt"), "full_optim": str(optim),
+            # fairscale cannot gather optimizer state at world size 1: weights-only oracle there.
+            jobs.append({"full": str(fixtures[m] / "ref" / "full_state_dict.pt"),
+                         "full_optim": str(optim) if optim.exists() else None,
                          "variant": "mixed", "out": str(folder), "candidate": str(resharded[(m, "fairseq", n)])})
             out[(m, n)] = folder
         build_oracles(n, jobs)

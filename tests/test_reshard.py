@@ -5,9 +5,9 @@ from fairscale.nn import FullyShardedDataParallel as FSDP
 
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
-from conftest import CONTAINERS, FIXTURE_WORLD_SIZES, TARGET_WORLD_SIZES, load_ref, src_of
+from conftest import CONTAINERS, SOURCE_WORLD_SIZES, TARGET_WORLD_SIZES, load_ref, src_of
 
-PAIRS = [(m, n) for m in FIXTURE_WORLD_SIZES if m > 1 for n in TARGET_WORLD_SIZES]
+PAIRS = [(m, n) for m in SOURCE_WORLD_SIZES for n in TARGET_WORLD_SIZES]
 
 
 def rank_file(folder, container, rank):
@@ -73,7 +73,8 @@ def test_resharded_equals_fsdp_at_target_world_size(fixtures, resharded, oracles
                 ww = {k: source_parts[i][0][k] if k in wm["buffer_names"] else v for k, v in ww.items()}
             assert_tensors_equal(gw, ww, f"rank {r}")
             assert gm == wm
-        assert_optim_equal(optim_of(ours, container), oracle["optim"], f"rank {r}", flat_ok=n == 1)
+        if oracle["optim"] is not None:  # None from a world-size-1 source: fairscale cannot gather there
+            assert_optim_equal(optim_of(ours, container), oracle["optim"], f"rank {r}", flat_ok=n == 1)
 
 
 def test_world_size_1_run_keeps_unflattened_optimizer_state_in_param_shape(fixtures, resharded):
@@ -92,7 +93,8 @@ def test_fsdp_at_target_world_size_loads_resharded_output_strictly(fixtures, ora
     for r in range(n):
         loaded = torch.load(oracles[(m, n)] / f"candidate_optim{r}.pt", weights_only=True)["optim"]
         oracle = torch.load(oracles[(m, n)] / f"rank{r}.pt", weights_only=True)["optim"]
-        assert_optim_equal(loaded, oracle, f"loaded rank {r}", flat_ok=n == 1)
+        if oracle is not None:
+            assert_optim_equal(loaded, oracle, f"loaded rank {r}", flat_ok=n == 1)
 
 
 @pytest.mark.parametrize("n", TARGET_WORLD_SIZES)
@@ -107,7 +109,7 @@ def test_world_size_1_source_reshards(resharded, fixtures, container, n, tmp_pat
     assert_tensors_equal(dict(sorted(got.items())), dict(sorted(want.items())), "1->n")
 
 
-@pytest.mark.parametrize("m,n", [p for p in PAIRS if p[1] > 1])
+@pytest.mark.parametrize("m,n", [p for p in PAIRS if p[1] > 1])  # its helper asserts at world size 1
 def test_fairscale_offline_consolidates_our_output(resharded, fixtures, m, n):
     folder = resharded[(m, "fairseq", n)]
     shards = [rank_file(folder, "fairseq", r) for r in range(n)]

@@ -42,6 +42,10 @@ def test_cli_table_json_and_exit_code():
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert [r["scenario"] for r in rows] == ["load and re-save, no step"] and rows[0]["ok"]
+    extra = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify-resume", "--reshard", "3->2",
+                            "--container", "metaseq", "--steps", "3", "--ckpt-step", "1"], capture_output=True, text=True)
+    assert extra.returncode == 0, extra.stderr
+    assert "reshard 3->2" in extra.stdout and "match" in extra.stdout and "same world size" not in extra.stdout
     bad = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify-resume", "--ckpt-step", "9"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "--ckpt-step" in bad.stderr

@@ -20,7 +20,7 @@ from ..execute.consolidate import consolidate
 from ..execute.reshard import reshard
 from ..fsdp.launch import run_world
 from .compare import Diff, compare_checkpoints, compare_local, compare_losses
-from .worker import train_worker
+from .worker import CONTAINER_FILES, train_worker
 
 TOLERANCE = 1e-5
 
@@ -93,11 +93,14 @@ def run_scenarios(
     ckpt_step: int = 3,
     seed: int = 0,
     device: str = "cpu",
+    container: str = "fairseq",
 ) -> List[Result]:
     if not 0 < ckpt_step < steps:
         raise CheckpointError(f"--ckpt-step must be between 1 and --steps - 1, got {ckpt_step} of {steps}")
     os.makedirs(work, exist_ok=True)
-    base_job = {"seed": seed, "device": device}
+    if container not in CONTAINER_FILES:
+        raise CheckpointError(f"--container {container!r}: one of {', '.join(CONTAINER_FILES)}")
+    base_job = {"seed": seed, "device": device, "container": container}
     baselines: Dict[Tuple[str, int], str] = {}
     for sc in scenarios:
         key = (sc.variant, sc.train_ws)
@@ -151,6 +154,17 @@ def run_scenarios(
         results.append(Result("before vs after head wrapping", "2->2", f"{ckpt_step}..{steps} of {steps}",
                               diff.max_abs, diff.max_rel, diff.identical, True, diff.problems[:5]))
     return results
+
+
+def reshard_scenario(spec: str) -> Scenario:
+    """``"2->5"`` as a scenario: train at 2, reshard, resume at 5."""
+    try:
+        a, b = (int(x) for x in spec.split("->"))
+    except ValueError:
+        raise CheckpointError(f"--reshard {spec!r}: expected M->N, e.g. 2->5") from None
+    if a < 1 or b < 1:
+        raise CheckpointError(f"--reshard {spec!r}: world sizes must be >= 1")
+    return Scenario(f"reshard {a}->{b}", a, b, "reshard")
 
 
 def _backend(device: str) -> str:

@@ -13,13 +13,22 @@ from ..testing.fixtures import make_optimizer, wrap_fixture_model
 from ..testing.model import VisslLikeModel, local_batch, loss_fn
 
 
-def save_fairseq(root: Any, optim: torch.optim.Optimizer, folder: str, rank: int, step: int) -> None:
+CONTAINER_FILES = {
+    "fairseq": ("checkpoint_last-shard{}.pt", "fsdp_metadata"),
+    "metaseq": ("checkpoint_last-model_part-0-shard{}.pt", "shard_metadata"),
+}
+
+
+def save_checkpoint(root: Any, optim: torch.optim.Optimizer, folder: str, rank: int, step: int,
+                    container: str = "fairseq") -> None:
+    """One rank's file, as fairseq or metaseq save it."""
+    name, meta_key = CONTAINER_FILES[container]
     os.makedirs(folder, exist_ok=True)
     torch.save(
-        {"model": root.local_state_dict(), "fsdp_metadata": root.local_metadata_dict(),
+        {"model": root.local_state_dict(), meta_key: root.local_metadata_dict(),
          "last_optimizer_state": optim.state_dict(), "optimizer_history": [{"num_updates": step}],
          "extra_state": {"epoch": 1}, "cfg": {}},
-        os.path.join(folder, f"checkpoint_last-shard{rank}.pt"),
+        os.path.join(folder, name.format(rank)),
     )
 
 
@@ -62,7 +71,7 @@ def train_worker(rank: int, world_size: int, job: Dict[str, Any]) -> None:
         dist.all_reduce(total)
         losses.append(total.item() / world_size)
         if job.get("save_at") == step + 1:
-            save_fairseq(root, optim, job["ckpt"], rank, step + 1)
-    save_fairseq(root, optim, job["final"], rank, job["stop"])
+            save_checkpoint(root, optim, job["ckpt"], rank, step + 1, job["container"])
+    save_checkpoint(root, optim, job["final"], rank, job["stop"], job["container"])
     if rank == 0:
         torch.save({"losses": losses}, os.path.join(job["final"], "losses.pt"))

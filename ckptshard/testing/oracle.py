@@ -29,9 +29,11 @@ def _oracle_worker(rank: int, world_size: int, jobs: List[Dict[str, str]]) -> No
         optim = make_optimizer(root.parameters(), job["variant"])
         full = torch.load(job["full"], weights_only=True)
         root.load_state_dict(full)
-        full_optim = torch.load(job["full_optim"], weights_only=True)
-        shard = root.get_shard_from_optim_state_dict(copy.deepcopy(full_optim))
-        optim.load_state_dict(copy.deepcopy(shard))
+        shard = None
+        if job["full_optim"]:
+            full_optim = torch.load(job["full_optim"], weights_only=True)
+            shard = root.get_shard_from_optim_state_dict(copy.deepcopy(full_optim))
+            optim.load_state_dict(copy.deepcopy(shard))
         m = inner(root)
         record = {
             "local": root.local_state_dict(),
@@ -53,7 +55,7 @@ def _oracle_worker(rank: int, world_size: int, jobs: List[Dict[str, str]]) -> No
             init_param_attributes(root2)
             ours = torch.load(os.path.join(candidate, f"checkpoint_last-shard{rank}.pt"), weights_only=True)
             root2.load_local_state_dict(ours["model"], strict=True)
-            optim2.load_state_dict(ours["last_optimizer_state"])
+            optim2.load_state_dict(ours["last_optimizer_state"])  # the model's own optimizer takes it
             after = root2.state_dict()
             loaded_optim = optim2.state_dict()
             if rank == 0:
