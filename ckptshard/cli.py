@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import sys
@@ -118,11 +119,13 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
+@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Write output files in this many local processes. Under torchrun, ranks share the files instead.")
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def reshard(ctx: click.Context, src: str, world_size: int, dst: str, overwrite: bool, trust_pickles: bool,
+def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, overwrite: bool, trust_pickles: bool,
             quiet: bool) -> None:
     """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
     exactly as FSDP at that world size would have saved them, in the same
@@ -130,8 +133,9 @@ def reshard(ctx: click.Context, src: str, world_size: int, dst: str, overwrite: 
     from .execute.reshard import reshard as run
 
     res = _run(ctx, lambda: run(src, dst, world_size, overwrite=overwrite, trust_pickles=trust_pickles,
-                                progress=not quiet))
-    click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
+                                progress=not quiet, jobs=jobs))
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
 @main.command()

@@ -18,6 +18,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
 from .consolidate import source_info
+from .parallel import init_torchrun, torchrun_world, write_in_processes
 from .progress import progress_bar
 
 
@@ -44,25 +45,73 @@ def write_rank_files(
     overwrite: bool,
     progress: bool,
     source: Dict[str, Any],
+    jobs: int = 1,
 ) -> ReshardResult:
     """Write one file per planned rank tree into folder ``dst``, named like ``template``'s.
 
-    The whole folder appears at once when complete (VISSL gets its shard_list too).
+    The whole folder appears at once when complete (VISSL gets its shard_list
+    too). ``jobs`` > 1 writes files in that many local processes; under
+    torchrun the ranks share the files (see :mod:`.parallel`).
     """
     total = sum(tree_nbytes(t) for t in trees)
+    names = [template.files.name_for(r) for r in range(len(trees))]
+    world = torchrun_world()
+    if world is not None:
+        return _write_distributed(template, trees, names, dst, desc, overwrite, source, total, *world)
     check_space(dst, total)
-    names = []
     with Copier() as copier, progress_bar(total, desc, progress) as tick:
         with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
-            for rank, tree in enumerate(trees):
-                name = template.files.name_for(rank)
-                write_torch(os.path.join(tmp, name), tree, copier, tick, template.trust_pickles)
-                names.append(name)
-            if template.container.kind == "vissl":
-                list_name = shard_list_name(template)
-                torch.save({"type": "shard_list", "shards": names}, os.path.join(tmp, list_name))
-                names.append(list_name)
-            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, desc.split()[0]))
+            work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
+            if jobs > 1:
+                write_in_processes(work, jobs, template.trust_pickles, tick)
+            else:
+                for tree, path in work:
+                    write_torch(path, tree, copier, tick, template.trust_pickles)
+            names = _finish_folder(template, tmp, names, source, desc)
+    return ReshardResult(dst, names, total)
+
+
+def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str) -> List[str]:
+    """VISSL's shard_list and the manifest, once every rank file is written."""
+    names = list(names)
+    if template.container.kind == "vissl":
+        list_name = shard_list_name(template)
+        torch.save({"type": "shard_list", "shards": names}, os.path.join(folder, list_name))
+        names.append(list_name)
+    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0]))
+    return names
+
+
+def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names: List[str], dst: str, desc: str,
+                       overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int) -> ReshardResult:
+    import contextlib
+
+    import torch.distributed as dist
+
+    init_torchrun()
+    holder: List[Any] = [None]
+    ctx = atomic_output(dst, is_dir=True, overwrite=overwrite) if rank == 0 else contextlib.nullcontext()
+    with ctx as tmp:
+        if rank == 0:
+            check_space(dst, total)
+            holder[0] = tmp
+        dist.broadcast_object_list(holder, src=0)
+        folder = holder[0]
+        ok = torch.tensor([1])
+        try:
+            with Copier() as copier:
+                for i in range(rank, len(trees), world):
+                    write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles)
+        except BaseException:
+            ok.zero_()
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            raise
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's files are complete, or none is kept
+        if not int(ok):
+            raise CheckpointError(f"{dst}: another rank failed; nothing was written")
+        if rank == 0:
+            names = _finish_folder(template, folder, names, source, desc)
+    dist.barrier()  # the folder is in place before any rank reports success
     return ReshardResult(dst, names, total)
 
 
@@ -79,15 +128,17 @@ def reshard(
     overwrite: bool = False,
     trust_pickles: bool = False,
     progress: bool = True,
+    jobs: int = 1,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``."""
     _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles)
-    check_output(dst, overwrite, tuple(ckpt.files.paths))
+    if torchrun_world() is None or torchrun_world()[0] == 0:
+        check_output(dst, overwrite, tuple(ckpt.files.paths))
     # Plan every rank first: a bad input fails here, before any byte is written.
     trees = [resharded_file(ckpt, world_size, r) for r in range(world_size)]
     return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
-                            source_info(ckpt))
+                            source_info(ckpt), jobs)
 
 
 def shard(

@@ -1,0 +1,35 @@
+"""Parallel writing (--jobs, torchrun) gives the single-process bytes."""
+import os
+import subprocess
+import sys
+
+from ckptshard.execute.reshard import reshard
+from ckptshard.fsdp.launch import free_port
+
+
+def same_files(a, b):
+    names = sorted(os.listdir(a))
+    assert names == sorted(os.listdir(b))
+    for n in names:
+        if n != "ckptshard-manifest.json":
+            assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    return names
+
+
+def test_jobs_equal_single_process(fixtures, tmp_path):
+    reshard(str(fixtures[3] / "vissl" / "model_phase2.torch"), str(tmp_path / "one"), 5, progress=False)
+    reshard(str(fixtures[3] / "vissl" / "model_phase2.torch"), str(tmp_path / "many"), 5, progress=False, jobs=3)
+    assert len(same_files(tmp_path / "one", tmp_path / "many")) == 7  # 5 shards, shard_list, manifest
+
+
+def test_torchrun_two_ranks_equal_single_process(fixtures, tmp_path):
+    src = str(fixtures[4] / "fairseq")
+    reshard(src, str(tmp_path / "one"), 5, progress=False)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "ckptshard.cli", "reshard", src, "-n", "5", "-o", str(tmp_path / "dist"), "-q"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("wrote 5 files") == 1  # rank 0 reports (manifest not counted)
+    same_files(tmp_path / "one", tmp_path / "dist")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
