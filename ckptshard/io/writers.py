@@ -35,6 +35,17 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
+_FAKE_MODE: Optional[FakeTensorMode] = None
+
+
+def _fake_mode() -> FakeTensorMode:
+    """One FakeTensorMode per process: making one costs about a second."""
+    global _FAKE_MODE
+    if _FAKE_MODE is None:
+        _FAKE_MODE = FakeTensorMode()
+    return _FAKE_MODE
+
+
 def _fills_in(tree: Any) -> List[Fill]:
     seen, out = set(), []
     for _, leaf in leaves(tree):
@@ -60,7 +71,7 @@ def write_torch(
     The pickle is written by torch itself (``skip_data`` over fake tensors),
     so any torch can read the file; tensor bytes are then filled in place.
     """
-    mode = FakeTensorMode()
+    mode = _fake_mode()
     fakes: Dict[int, torch.Tensor] = {}
 
     def to_fake(leaf: Any) -> Any:
