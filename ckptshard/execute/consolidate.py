@@ -73,7 +73,7 @@ def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
     }
 
 
-def write_file_manifest(output: str, source: Dict[str, Any], command: str, overwrite: bool) -> None:
+def write_file_manifest(output: str, source: Dict[str, Any], command: str) -> None:
     """``OUT.manifest.json`` beside a single-file output, itself written atomically."""
     manifest = build_manifest(os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command)
     with atomic_output(manifest_path(output), is_dir=False, overwrite=True) as tmp:
@@ -130,6 +130,7 @@ def consolidate(
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
     check_space(out, total)
     outputs: List[str] = []
+    source = source_info(ckpt)  # fingerprinted once, for every manifest
     with Copier() as copier, progress_bar(total, "consolidate", progress) as tick:
         if fmt == "torch":
             tree: Any = container_tree(ckpt, weights, optim) if container else weights
@@ -141,7 +142,7 @@ def consolidate(
         else:
             with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
                 names = write_safetensors_index(tmp, weights, max_shard_size or 0, copier, tick, {"format": "pt"})
-                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "consolidate"))
+                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, "consolidate"))
         outputs.append(out)
         if opt_out is not None:
             with atomic_output(opt_out, is_dir=False, overwrite=overwrite) as tmp:
@@ -149,5 +150,5 @@ def consolidate(
             outputs.append(opt_out)
     for o in outputs:
         if os.path.isfile(o):
-            write_file_manifest(o, source_info(ckpt), "consolidate", overwrite)
+            write_file_manifest(o, source, "consolidate")
     return ConsolidateResult(outputs, len(weights), total)
