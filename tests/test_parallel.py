@@ -33,3 +33,16 @@ def test_torchrun_two_ranks_equal_single_process(fixtures, tmp_path):
     assert res.stdout.count("wrote 5 files") == 1  # rank 0 reports (manifest not counted)
     same_files(tmp_path / "one", tmp_path / "dist")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_torchrun_error_on_one_rank_fails_every_rank_promptly(fixtures, tmp_path):
+    # The output exists: every rank must report it and exit, none left waiting in a
+    # collective for rank 0 (where torchrun would have to tear it down).
+    (tmp_path / "taken").mkdir()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "ckptshard.cli", "reshard", str(fixtures[2] / "fairseq"), "-n", "3", "-o",
+                          str(tmp_path / "taken"), "-q"], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.count("exists; pass --overwrite") == 2  # both ranks, each from its own check
+    assert list((tmp_path / "taken").iterdir()) == []

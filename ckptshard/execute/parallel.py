@@ -12,10 +12,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
+from ..errors import CheckpointError
 from ..io.fill import Copier
-from ..io.writers import write_torch
+from ..io.writers import tree_nbytes, write_torch
+
+T = TypeVar("T")
 
 Job = Tuple[Any, str]  # (tree, output path)
 
@@ -35,8 +38,6 @@ def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: O
         for f, (tree, _) in zip(futures, jobs):
             out.append(f.result())
             if tick:
-                from ..io.writers import tree_nbytes
-
                 tick(tree_nbytes(tree))
         return out
 
@@ -53,3 +54,33 @@ def init_torchrun() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+
+
+def agree(error: Optional[str], payload: Any = None) -> List[Any]:
+    """Every rank's payload, after every rank says how it went.
+
+    If any rank reports an error, every rank raises it: no rank is left
+    waiting in a collective for one that gave up.
+    """
+    import torch.distributed as dist
+
+    init_torchrun()
+    got: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (error, payload))
+    errors = [e for e, _ in got if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    return [p for _, p in got]
+
+
+def run_checked(check: Callable[[], T]) -> T:
+    """Run an input/output check; under torchrun all ranks fail together if one does."""
+    if torchrun_world() is None:
+        return check()
+    try:
+        out = check()
+    except CheckpointError as e:
+        agree(str(e))
+        raise
+    agree(None)
+    return out

@@ -18,7 +18,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
 from .consolidate import source_info
-from .parallel import init_torchrun, torchrun_world, write_in_processes
+from .parallel import agree, init_torchrun, run_checked, torchrun_world, write_in_processes
 from .progress import progress_bar
 
 
@@ -89,26 +89,29 @@ def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names:
     import torch.distributed as dist
 
     init_torchrun()
-    holder: List[Any] = [None]
     ctx = atomic_output(dst, is_dir=True, overwrite=overwrite) if rank == 0 else contextlib.nullcontext()
     with ctx as tmp:
+        # Rank 0 made the temporary folder; every rank learns its name, or rank 0's error.
+        error = None
         if rank == 0:
-            check_space(dst, total)
-            holder[0] = tmp
-        dist.broadcast_object_list(holder, src=0)
-        folder = holder[0]
-        ok = torch.tensor([1])
+            try:
+                check_space(dst, total)
+            except CheckpointError as e:
+                error = str(e)
+        folder = agree(error, tmp)[0]
+        failure: Optional[Exception] = None
         try:
             with Copier() as copier:
                 for i in range(rank, len(trees), world):
                     write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles)
-        except BaseException:
-            ok.zero_()
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        except Exception as e:
+            failure = e
+        try:  # every rank's files are complete, or rank 0 removes the folder
+            agree(None if failure is None else f"rank {rank}: {failure}")
+        except CheckpointError:
+            if failure is not None:
+                raise failure from None  # the failing rank keeps its own error
             raise
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank's files are complete, or none is kept
-        if not int(ok):
-            raise CheckpointError(f"{dst}: another rank failed; nothing was written")
         if rank == 0:
             names = _finish_folder(template, folder, names, source, desc)
     dist.barrier()  # the folder is in place before any rank reports success
@@ -133,8 +136,7 @@ def reshard(
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``."""
     _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles)
-    if torchrun_world() is None or torchrun_world()[0] == 0:
-        check_output(dst, overwrite, tuple(ckpt.files.paths))
+    run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths)))
     # Plan every rank first: a bad input fails here, before any byte is written.
     trees = [resharded_file(ckpt, world_size, r) for r in range(world_size)]
     return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
@@ -164,7 +166,7 @@ def shard(
             raise CheckpointError(f"{like}: its container has no place for optimizer state")
         full_optim = load_lazy(optimizer, trust_pickles)
         inputs = inputs + (optimizer,)
-    check_output(dst, overwrite, inputs)
+    run_checked(lambda: check_output(dst, overwrite, inputs))
     trees = []
     for rank in range(world_size):
         optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
