@@ -163,6 +163,52 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 
 
 @main.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--to", "to", required=True, type=click.Choice(["dcp", "torch", "safetensors", "fairscale"]),
+              help="dcp: a torch.distributed.checkpoint folder (FSDP2 loads it at any world size); torch/safetensors: "
+                   "one full state dict; fairscale: N shards (with --world-size, and --like for a DCP source).")
+@click.option("-o", "--output", "out", required=True, type=click.Path(),
+              help="Folder (dcp, fairscale, or safetensors with --max-shard-size) or file (.pt, .safetensors).")
+@click.option("--like", type=click.Path(exists=True), default=None,
+              help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow.")
+@click.option("--world-size", "-n", type=int, default=None, help="--to fairscale: number of ranks.")
+@click.option("--no-optimizer", is_flag=True, help="Leave optimizer state out (it is converted by default where present).")
+@click.option("--max-shard-size", default=None, help="safetensors: a folder of index-sharded files of at most this size (e.g. 5GB).")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).")
+@click.option("--select", multiple=True, help="Keep only tensors whose name starts with this prefix (repeatable).")
+@click.option("--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches).")
+@click.option("--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable).")
+@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="--to fairscale: write output files in this many local processes.")
+@common_overwrite
+@common_trust
+@common_quiet
+@click.pass_context
+def convert(ctx: click.Context, src: str, to: str, out: str, like: Optional[str], world_size: Optional[int],
+            no_optimizer: bool, max_shard_size: Optional[str], dtype: Optional[str], select: tuple,
+            strip_prefix: tuple, rename: tuple, jobs: int, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+    """Convert SRC (fairscale shards, or a DCP checkpoint folder) to --to.
+
+    \b
+    fairscale -> dcp: dcp.load + set_model_state_dict/set_optimizer_state_dict
+                      in torch FSDP2 at any world size; keys "model", "optim",
+                      "extra" (the container's other keys)
+    dcp -> torch:     the whole nested state dict (as format_utils.dcp_to_torch_save)
+    dcp -> safetensors, dcp -> fairscale --like SRC --world-size N
+    Streaming: no tensor is gathered whole in memory.
+    """
+    from .execute.convert import convert as run
+
+    res = _run(ctx, lambda: run(src, out, to, like=like, world_size=world_size, optimizer=not no_optimizer,
+                                max_shard_size=_size(max_shard_size), overwrite=overwrite,
+                                trust_pickles=trust_pickles, progress=not quiet, select=select,
+                                strip_prefix=strip_prefix, rename=rename, dtype=dtype, jobs=jobs))
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
+
+
+@main.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.pass_context
 def verify(ctx: click.Context, path: str) -> None:

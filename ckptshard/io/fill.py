@@ -58,6 +58,26 @@ def whole(ref: TensorRef) -> Fill:
     return Fill(ref.shape, ref.dtype, (Source(ref, 0, 0, ref.numel),))
 
 
+def as_fill(x: "TensorRef | Fill") -> Fill:
+    """A stored tensor or a planned one, as a Fill."""
+    return x if isinstance(x, Fill) else whole(x)
+
+
+def is_tensor(x: object) -> bool:
+    """A stored (TensorRef) or planned (Fill) tensor."""
+    return isinstance(x, (TensorRef, Fill))
+
+
+def sources_in(fill: Fill, start: int, stop: int, dst_start: int = 0) -> Tuple[Source, ...]:
+    """The sources of elements ``[start, stop)`` of ``fill``, re-based to ``dst_start``."""
+    out = []
+    for s in fill.sources:
+        lo, hi = max(start, s.dst_start), min(stop, s.dst_start + s.length)
+        if lo < hi:
+            out.append(Source(s.ref, s.src_start + lo - s.dst_start, dst_start + lo - start, hi - lo))
+    return tuple(out)
+
+
 Progress = Callable[[int], None]
 
 

@@ -96,34 +96,33 @@ def read_elements(path: str, offset: int, dtype: torch.dtype, count: int, itemsi
     return out
 
 
-def _ref_of(path: str, t: torch.Tensor) -> TensorRef:
+def _ref_of(path: str, t: torch.Tensor, at: int = 0) -> TensorRef:
     base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
     if base is None:
         raise CheckpointError(f"{path}: cannot locate tensor data (not a zip-format torch.save file?)")
     return TensorRef(
         path=path,
-        offset=int(base) + t.storage_offset() * t.element_size(),
+        offset=at + int(base) + t.storage_offset() * t.element_size(),
         dtype=t.dtype,
         shape=tuple(t.shape),
         stride=tuple(t.stride()),
     )
 
 
-def _to_refs(path: str, obj: Any) -> Any:
+def _to_refs(path: str, obj: Any, at: int = 0) -> Any:
+    """Every tensor of ``obj`` as a TensorRef into ``path``; ``at``: where the torch.save data starts in it."""
     if isinstance(obj, torch.Tensor):
-        return _ref_of(path, obj)
+        return _ref_of(path, obj, at)
     if isinstance(obj, dict):
         out = type(obj)() if type(obj) is not dict else {}
         for k, v in obj.items():
-            out[k] = _to_refs(path, v)
+            out[k] = _to_refs(path, v, at)
         return out
     if isinstance(obj, list):
-        return [_to_refs(path, v) for v in obj]
+        return [_to_refs(path, v, at) for v in obj]
     if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(_to_refs(path, v) for v in obj)
+        return tuple(_to_refs(path, v, at) for v in obj)
     return obj
-
-
 
 
 def load_lazy(path: str, trust_pickles: bool = False) -> Any:
@@ -138,27 +137,30 @@ def load_lazy(path: str, trust_pickles: bool = False) -> Any:
         raise CheckpointError(
             f"{path}: not a zip-format torch.save checkpoint (truncated, corrupted, or legacy format)"
         )
+    return _to_refs(path, safe_torch_load(path, path, trust_pickles))
+
+
+def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
+    """``torch.load(f)`` onto the meta device, weights-only unless ``trust_pickles``; errors name ``where``."""
     try:
         if trust_pickles:
-            warnings.warn(f"{path}: loading with full unpickling (--trust-pickles): it can run code")
-            obj = torch.load(path, map_location="meta", weights_only=False)
-        else:
-            with torch.serialization.safe_globals(SAFE_GLOBALS):
-                obj = torch.load(path, map_location="meta", weights_only=True)
+            warnings.warn(f"{where}: loading with full unpickling (--trust-pickles): it can run code")
+            return torch.load(f, map_location="meta", weights_only=False)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
         m = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", msg)
         if m:
             raise CheckpointError(
-                f"{path}: refused to unpickle {m.group(1)} (safe loading); "
+                f"{where}: refused to unpickle {m.group(1)} (safe loading); "
                 "pass --trust-pickles only if you trust this file"
             ) from None
-        raise CheckpointError(f"{path}: corrupted pickle: {_unpickler_detail(msg)}") from None
+        raise CheckpointError(f"{where}: corrupted pickle: {_unpickler_detail(msg)}") from None
     except CheckpointError:
         raise
     except Exception as e:  # torch raises many types for damaged zips
-        raise CheckpointError(f"{path}: cannot read checkpoint: {type(e).__name__}: {_first_line(e)}") from None
-    return _to_refs(path, obj)
+        raise CheckpointError(f"{where}: cannot read checkpoint: {type(e).__name__}: {_first_line(e)}") from None
 
 
 def _unpickler_detail(msg: str) -> str:

@@ -1,11 +1,24 @@
 """Plan a full (unsharded) state dict from shards: one Fill per logical tensor."""
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 from ..io.fill import Fill, Source, whole
+from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
+from ..layout.model import FlatParam, FsdpInstance, Member
 from .intervals import pieces
+
+
+def member_sources(refs: Sequence[TensorRef], inst: FsdpInstance, fp: FlatParam, m: Member) -> Tuple[Source, ...]:
+    """Where member ``m``'s elements lie in every rank's flat tensor ``refs`` (weights or optimizer moments)."""
+    if inst.no_broadcast_optim_state:
+        # Not sharded (own world of 1): rank 0 holds it whole, as fairscale assumes.
+        return (Source(refs[0], m.offset, 0, m.numel),)
+    return tuple(
+        Source(refs[p.src_rank], p.src_start, p.dst_start, p.length)
+        for p in pieces(fp.numel, len(refs), m.offset, m.offset + m.numel)
+    )
 
 
 def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
@@ -17,23 +30,14 @@ def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
     fairscale's ``consolidate_shard_weights``.
     """
     out: Dict[str, Fill] = {}
-    M = ckpt.world_size
     for pi, part in enumerate(ckpt.layout.parts):
-        sds = [ckpt.local_state(r, pi) for r in range(M)]
+        sds = [ckpt.local_state(r, pi) for r in range(ckpt.world_size)]
         for inst in part.instances:
             for fp in inst.flat_params:
                 key = inst.local_key(fp)
+                refs = [sd[key] for sd in sds]
                 for m in fp.members:
-                    name = part.prefix + inst.logical_name(m.name)
-                    if inst.no_broadcast_optim_state:
-                        # Not sharded (own world of 1): rank 0 holds it whole, as fairscale assumes.
-                        sources = [Source(sds[0][key], m.offset, 0, m.numel)]
-                    else:
-                        sources = [
-                            Source(sds[p.src_rank][key], p.src_start, p.dst_start, p.length)
-                            for p in pieces(fp.numel, M, m.offset, m.offset + m.numel)
-                        ]
-                    out[name] = Fill(m.shape, fp.dtype, tuple(sources))
+                    out[part.prefix + inst.logical_name(m.name)] = Fill(m.shape, fp.dtype, member_sources(refs, inst, fp, m))
             for src, dst in inst.shared:
                 out[part.prefix + inst.logical_name(dst)] = out[part.prefix + inst.logical_name(src)]
         for name in part.stored_buffers:

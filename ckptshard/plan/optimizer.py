@@ -15,7 +15,8 @@ from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
 from ..io.tree import copy_tree, map_leaves
 from ..layout.model import FlatParam, FsdpInstance, Part
-from .intervals import pieces, replica_source, reshard_pieces
+from .consolidate import member_sources
+from .intervals import replica_source, reshard_pieces
 
 
 def _entries(ckpt: ShardedCheckpoint) -> List[Tuple[Part, FsdpInstance, FlatParam]]:
@@ -26,7 +27,8 @@ def _entry_shape(osd: Mapping[str, Any]) -> Dict[Any, List[str]]:
     return {pid: sorted(map(str, e)) for pid, e in osd["state"].items()}
 
 
-def _check(ckpt: ShardedCheckpoint) -> None:
+def check_optimizer(ckpt: ShardedCheckpoint) -> None:
+    """Refuse optimizer state that does not fit the layout: parameter count, entry keys, sizes."""
     flat = _entries(ckpt)
     first = None
     for r in range(ckpt.world_size):
@@ -63,7 +65,7 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
     """Rank ``rank``'s optimizer state dict at ``world_size``, as a tree of Fills."""
     if ckpt.container.optimizer is None:
         return None
-    _check(ckpt)
+    check_optimizer(ckpt)
     M, flat = ckpt.world_size, _entries(ckpt)
     same = world_size == M
     # Per-rank values (0-dim tensors) follow the weights' buffer rule.
@@ -111,7 +113,7 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     """
     if ckpt.container.optimizer is None:
         return None
-    _check(ckpt)
+    check_optimizer(ckpt)
     M, flat = ckpt.world_size, _entries(ckpt)
     osds = [ckpt.optimizer_state(r) for r in range(M)]
     out = copy_tree(osds[0])
@@ -132,13 +134,7 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
                         s[k] = vals[0].item() if k == "step" else vals
                     else:
                         srcs = [osds[r]["state"][lid][k] for r in range(M)]
-                        if inst.no_broadcast_optim_state:
-                            sources: Tuple[Source, ...] = (Source(srcs[0], m.offset, 0, m.numel),)
-                        else:
-                            sources = tuple(
-                                Source(srcs[p.src_rank], p.src_start, p.dst_start, p.length)
-                                for p in pieces(fp.numel, M, m.offset, m.offset + m.numel)
-                            )
+                        sources = member_sources(srcs, inst, fp, m)
                         s[k] = Fill(m.shape if fp.flattened else (m.numel,), v.dtype, sources)
                 state[gid] = s
             gid += 1

@@ -1,18 +1,20 @@
 """Plan shards of a full state dict, following an existing checkpoint's FSDP wrapping."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 from ..errors import CheckpointError
-from ..io.fill import Fill, Source, whole
+from ..io.fill import Fill, Source, as_fill, is_tensor, sources_in, whole
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
 from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..layout.chunking import shard_range
 from ..layout.model import FlatParam, metadata_of
 
+Tensorish = Union[TensorRef, Fill]  # a stored tensor, or one planned from pieces (e.g. DCP chunks)
 
-def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, TensorRef]) -> None:
+
+def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, Tensorish]) -> None:
     """Refuse, listing them, names and shapes that do not match the wrapping plan."""
     missing, wrong, expected = [], [], set()
     for part in ckpt.layout.parts:
@@ -42,19 +44,19 @@ def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, TensorRe
         raise CheckpointError("full state dict does not match the wrapping plan: " + "; ".join(problems))
 
 
-def _flat_sources(fp: FlatParam, refs: List[TensorRef], world_size: int, rank: int) -> tuple:
-    """Rank ``rank``'s shard of a flat param whose members are separate tensors."""
+def _flat_sources(fp: FlatParam, refs: List[Tensorish], world_size: int, rank: int) -> tuple:
+    """Rank ``rank``'s shard of a flat param whose members are separate tensors (stored or planned)."""
     a, b = shard_range(fp.numel, world_size, rank)
-    out = []
+    out: List[Source] = []
     for m, ref in zip(fp.members, refs):
         lo, hi = max(a, m.offset), min(b, m.offset + m.numel)
         if lo < hi:
-            out.append(Source(ref, lo - m.offset, lo - a, hi - lo))
+            out += sources_in(as_fill(ref), lo - m.offset, hi - m.offset, lo - a)
     return tuple(out)
 
 
 def sharded_from_full(
-    ckpt: ShardedCheckpoint, full: Mapping[str, TensorRef], world_size: int, rank: int,
+    ckpt: ShardedCheckpoint, full: Mapping[str, Tensorish], world_size: int, rank: int,
     optim: Optional[Any] = None,
 ) -> Any:
     """Rank ``rank``'s file at ``world_size``: ``ckpt``'s container and wrapping, ``full``'s values.
@@ -75,7 +77,7 @@ def sharded_from_full(
                 refs = [full[part.prefix + inst.logical_name(m.name)] for m in fp.members]
                 sd[key] = Fill(fp.local_shape(world_size), fp.dtype, _flat_sources(fp, refs, world_size, rank))
             elif part.prefix + key in full:
-                sd[key] = whole(full[part.prefix + key])
+                sd[key] = as_fill(full[part.prefix + key])
             else:
                 raise CheckpointError(f"{part.prefix}{key}: stored in the template shards but not in the full state dict")
         set_path(tree, spec.weights, sd)
@@ -115,14 +117,14 @@ def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str
         entries = [full_optim["state"][g] for g in gids]
         s: Dict[str, Any] = {}
         for k, v in entries[0].items():
-            if isinstance(v, TensorRef) and len(v.shape) > 0:
+            if is_tensor(v) and len(v.shape) > 0:
                 refs = [e[k] for e in entries]
                 for m, ref in zip(fp.members, refs):
                     if ref.numel != m.numel:
                         raise CheckpointError(f"optimizer state[{k!r}] for {inst.logical_name(m.name)}: {ref.numel} elements, parameter has {m.numel}")
                 s[k] = Fill(fp.local_shape(world_size), v.dtype, _flat_sources(fp, refs, world_size, rank))
-            elif isinstance(v, list) and v and isinstance(v[0], TensorRef):
-                s[k] = whole(v[rank] if rank < len(v) else v[0])  # fairscale's rule for per-rank scalars
+            elif isinstance(v, list) and v and is_tensor(v[0]):
+                s[k] = as_fill(v[rank] if rank < len(v) else v[0])  # fairscale's rule for per-rank scalars
             else:
                 s[k] = v
         state[lid] = s

@@ -1,7 +1,7 @@
 """Select, rename and cast the tensors of a planned full state dict. Pure."""
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,6 +23,28 @@ def parse_renames(specs: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
     return tuple(out)
 
 
+def name_mapper(
+    select: Sequence[str] = (), strip_prefix: Sequence[str] = (), rename: Sequence[Tuple[str, str]] = ()
+) -> Callable[[str], Optional[str]]:
+    """``name -> new name``, or None where ``select`` drops it: the naming rules of :func:`transform`."""
+
+    def new_name(name: str) -> Optional[str]:
+        if select and not any(name.startswith(p) for p in select):
+            return None
+        new = name
+        for p in strip_prefix:
+            if new.startswith(p):
+                new = new[len(p):]
+                break
+        for a, b in rename:
+            new = new.replace(a, b)
+        if not new:
+            raise CheckpointError(f"{name}: renamed to an empty name")
+        return new
+
+    return new_name
+
+
 def transform(
     tensors: Mapping[str, Fill],
     select: Sequence[str] = (),
@@ -38,18 +60,11 @@ def transform(
     cast: Dict[int, Fill] = {}
     out: Dict[str, Fill] = {}
     origin: Dict[str, str] = {}
+    new_name = name_mapper(select, strip_prefix, rename)
     for name, fill in tensors.items():
-        if select and not any(name.startswith(p) for p in select):
+        new = new_name(name)
+        if new is None:
             continue
-        new = name
-        for p in strip_prefix:
-            if new.startswith(p):
-                new = new[len(p):]
-                break
-        for a, b in rename:
-            new = new.replace(a, b)
-        if not new:
-            raise CheckpointError(f"{name}: renamed to an empty name")
         if new in out:
             raise CheckpointError(f"{origin[new]} and {name} would both be named {new!r}")
         if dtype is not None and fill.dtype.is_floating_point and fill.dtype != dtype:

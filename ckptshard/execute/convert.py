@@ -1,0 +1,192 @@
+"""``convert``: between fairscale shards, DCP folders, torch.save and safetensors.
+
+fairscale -> dcp            a DCP folder FSDP2 loads at any world size
+dcp -> torch | safetensors  one file (or an index folder), streaming
+dcp -> fairscale            N shards wrapped like --like's checkpoint
+fairscale -> torch | safetensors | fairscale  are consolidate and reshard
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..errors import CheckpointError
+from ..io.atomic import atomic_output, check_output, check_space
+from ..io.dcp import DcpCheckpoint, is_dcp, open_dcp, write_dcp
+from ..io.fill import Copier, is_tensor
+from ..io.manifest import MANIFEST, build_manifest, write_json
+from ..io.source import open_checkpoint
+from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
+from ..plan.consolidate import consolidated_weights
+from ..plan.dcp import OPTIM, fairscale_full_optimizer, fairscale_to_dcp, flat_tensors, model_state, plan_dcp
+from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
+from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
+from .consolidate import consolidate, output_format, source_info, write_file_manifest
+from .progress import progress_bar
+from .reshard import reshard, write_rank_files
+
+TARGETS = ("dcp", "torch", "safetensors", "fairscale")
+
+
+@dataclass
+class ConvertResult:
+    outputs: List[str]
+    tensors: int
+    nbytes: int
+
+
+def convert(
+    src: str,
+    out: str,
+    to: str,
+    *,
+    like: Optional[str] = None,
+    world_size: Optional[int] = None,
+    optimizer: bool = True,
+    max_shard_size: Optional[int] = None,
+    overwrite: bool = False,
+    trust_pickles: bool = False,
+    progress: bool = True,
+    select: Sequence[str] = (),
+    strip_prefix: Sequence[str] = (),
+    rename: Sequence[str] = (),
+    dtype: Optional[str] = None,
+    jobs: int = 1,
+) -> ConvertResult:
+    """Convert ``src`` (fairscale shards or a DCP folder) into format ``to`` at ``out``.
+
+    ``select``/``strip_prefix``/``rename``/``dtype`` reshape the weights as in
+    ``consolidate``; ``optimizer=False`` leaves optimizer state out.
+    """
+    if to not in TARGETS:
+        raise CheckpointError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    renames = parse_renames(rename)
+    if to == "fairscale" and (world_size is None or world_size < 1):
+        raise CheckpointError("--to fairscale needs --world-size N (N >= 1)")
+    if is_dcp(src):
+        return _from_dcp(src, out, to, like, world_size, optimizer, max_shard_size, overwrite, trust_pickles,
+                         progress, select, strip_prefix, renames, dtype, jobs)
+    if to == "dcp":
+        return _fairscale_to_dcp(src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix,
+                                 renames, dtype)
+    if to == "fairscale":
+        if select or strip_prefix or renames or dtype or like:
+            raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
+        res = reshard(src, out, world_size or 1, overwrite=overwrite, trust_pickles=trust_pickles,
+                      progress=progress, jobs=jobs)
+        return ConvertResult([res.folder], len(res.files), res.nbytes)
+    _check_format(out, to, max_shard_size)
+    res = consolidate(src, out, max_shard_size=max_shard_size, optimizer=False, overwrite=overwrite,
+                      trust_pickles=trust_pickles, progress=progress, select=select, strip_prefix=strip_prefix,
+                      rename=rename, dtype=dtype)
+    return ConvertResult(res.outputs, res.tensors, res.nbytes)
+
+
+def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
+    fmt = output_format(out, max_shard_size)
+    if fmt.split("-")[0] != to:
+        raise CheckpointError(f"{out}: --to {to} but the name says {fmt}: end it with "
+                              + (".safetensors (or give --max-shard-size)" if to == "safetensors" else ".pt/.pth/.torch"))
+    return fmt
+
+
+def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trust_pickles: bool, progress: bool,
+                      select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
+                      dtype: Optional[str]) -> ConvertResult:
+    ckpt = open_checkpoint(src, trust_pickles)
+    check_output(out, overwrite, tuple(ckpt.files.paths))
+    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
+    with_optim = optimizer and ckpt.container.optimizer is not None
+    tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
+    plan = plan_dcp(tree)
+    check_space(out, plan.nbytes)
+    with Copier() as copier, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
+        with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+            names = write_dcp(tmp, plan, copier, tick)
+            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert"))
+    return ConvertResult([out], len(weights), plan.nbytes)
+
+
+def _dcp_source_info(d: DcpCheckpoint) -> Dict[str, Any]:
+    return {"files": [os.path.abspath(os.path.join(d.folder, f)) for f in d.files], "container": "dcp"}
+
+
+def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Optional[int], optimizer: bool,
+              max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, progress: bool,
+              select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any], dtype: Optional[str],
+              jobs: int) -> ConvertResult:
+    if to == "dcp":
+        raise CheckpointError(f"{src} is already a DCP checkpoint")
+    d = open_dcp(src, trust_pickles)
+    inputs = tuple(os.path.join(src, f) for f in d.files)
+    if to == "fairscale":
+        return _dcp_to_fairscale(d, out, like, world_size or 1, optimizer, overwrite, trust_pickles, progress,
+                                 select, strip_prefix, renames, dtype, inputs, jobs)
+    fmt = _check_format(out, to, max_shard_size)
+    check_output(out, overwrite, inputs)
+    reshaping = bool(select or strip_prefix or renames or dtype)
+    if fmt == "torch" and not reshaping:
+        tree: Any = d.tree  # everything, nested: what format_utils.dcp_to_torch_save writes
+        count = sum(1 for v in flat_tensors(d.tree, True, src).values() if is_tensor(v))
+    else:
+        tree = transform(flat_tensors(d.tree, False, src) if not select else
+                         flat_tensors(_selected(d.tree, select), False, src),
+                         select, strip_prefix, renames, DTYPES.get(dtype or ""))
+        count = len(tree)
+    total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
+    check_space(out, total)
+    source = _dcp_source_info(d)
+    with Copier() as copier, progress_bar(total, f"convert -> {to}", progress) as tick:
+        if fmt == "torch":
+            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
+                write_torch(tmp, tree, copier, tick, trust_pickles)
+        elif fmt == "safetensors":
+            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
+                write_safetensors(tmp, tree, copier, tick, {"format": "pt"})
+        else:
+            with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+                names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"})
+                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, "convert"))
+    if os.path.isfile(out):
+        write_file_manifest(out, source, "convert")
+    return ConvertResult([out], count, total)
+
+
+def _selected(tree: Dict[str, Any], select: Sequence[str]) -> Dict[str, Any]:
+    """Only the flat entries under a selected prefix (non-tensors elsewhere do not matter)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(tree))
+    return {k: v for k, v in flat.items() if any(k.startswith(p) for p in select)}
+
+
+def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_size: int, optimizer: bool,
+                      overwrite: bool, trust_pickles: bool, progress: bool, select: Sequence[str],
+                      strip_prefix: Sequence[str], renames: Sequence[Any], dtype: Optional[str],
+                      inputs: tuple, jobs: int) -> ConvertResult:
+    if like is None:
+        raise CheckpointError("--to fairscale needs --like SRC: a fairscale checkpoint whose FSDP wrapping to follow")
+    if dtype is not None:
+        raise CheckpointError("--dtype does not apply to --to fairscale: shards keep the wrapping's dtypes")
+    template = open_checkpoint(like, trust_pickles)
+    full = transform(model_state(d.tree, d.folder), select, strip_prefix, renames)
+    check_full_against_plan(template, full)
+    full_optim = None
+    if optimizer and template.container.optimizer is not None and OPTIM in d.tree:
+        new_name = name_mapper(select, strip_prefix, renames)
+        by_new = {new_name(k): v for k, v in d.tree[OPTIM]["state"].items() if new_name(k) is not None}
+        full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": d.tree[OPTIM]["param_groups"]})
+        # fairscale's other optimizer keys (e.g. fairseq's loss_scale) come from the template.
+        extra = {k: v for k, v in template.optimizer_state(0).items() if k not in ("state", "param_groups")}
+        full_optim.update(extra)
+    check_output(out, overwrite, inputs + tuple(template.files.paths))
+    trees = []
+    for rank in range(world_size):
+        optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
+        trees.append(sharded_from_full(template, full, world_size, rank, optim))
+    source = {"dcp": _dcp_source_info(d), "like": source_info(template)}
+    res = write_rank_files(template, trees, out, f"convert ->{world_size}", overwrite, progress, source, jobs)
+    return ConvertResult([res.folder], len(full), res.nbytes)

@@ -1,0 +1,254 @@
+"""Plan torch.distributed.checkpoint (DCP) checkpoints. Pure: no I/O.
+
+What ckptshard writes is what ``dcp.save`` writes for::
+
+    {"model": get_model_state_dict(model),
+     "optim": get_optimizer_state_dict(model, optim),
+     "extra": ...}   # the source container's other keys (rank 0's), e.g. fairseq's cfg
+
+so a torch FSDP2 (``fully_shard``) model at any world size loads it with
+``dcp.load`` and ``set_model_state_dict``/``set_optimizer_state_dict``.
+Optimizer state is keyed by parameter name (one entry per logical
+parameter, tensors in the parameter's shape, ``step`` a 0-dim tensor), as
+torch's distributed state-dict API has it.
+
+A logical tensor spanning several fairscale shards becomes several DCP
+chunks: each contiguous run of one shard is split into the few boxes that
+cover it (:func:`ckptshard.layout.boxes.flat_range_boxes`); nothing is
+gathered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from ..errors import CheckpointError
+from ..io.fill import Fill, Source, as_fill, is_tensor, whole
+from ..io.safe_load import TensorRef
+from ..io.source import ShardedCheckpoint
+from ..io.tree import copy_tree, get_path, map_leaves, set_path
+from ..layout.boxes import Shape, flat_index, flat_range_boxes, numel
+from .consolidate import member_sources
+from .optimizer import check_optimizer
+
+MODEL, OPTIM, EXTRA = "model", "optim", "extra"
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """One DCP chunk: a box of a logical tensor and where its elements come from."""
+
+    offsets: Shape
+    sizes: Shape
+    fill: Fill  # shape == sizes
+
+
+def chunks_of(fill: Fill) -> List[Chunk]:
+    """Chunks covering every element of ``fill`` exactly once: one box per
+    contiguous source run, zero-filled boxes for elements no source covers."""
+    shape = tuple(fill.shape)
+    if fill.numel == 0:
+        return [Chunk((0,) * len(shape), shape, Fill(shape, fill.dtype, ()))]
+    out: List[Chunk] = []
+
+    def add(start: int, stop: int, src: Optional[Source]) -> None:
+        for offsets, sizes in flat_range_boxes(shape, start, stop):
+            first = flat_index(shape, offsets)
+            n = numel(sizes)
+            sources = () if src is None else (Source(src.ref, src.src_start + first - src.dst_start, 0, n),)
+            out.append(Chunk(offsets, sizes, Fill(sizes, fill.dtype, sources)))
+
+    pos = 0
+    for s in sorted((s for s in fill.sources if s.length), key=lambda s: s.dst_start):
+        if s.dst_start < pos:
+            raise AssertionError("overlapping sources in one planned tensor")
+        add(pos, s.dst_start, None)
+        add(s.dst_start, s.dst_start + s.length, s)
+        pos = s.dst_start + s.length
+    add(pos, fill.numel, None)
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class TensorEntry:
+    fill: Fill
+    chunks: List[Chunk]  # shared by the names of one tied tensor
+
+
+@dataclass
+class DcpPlan:
+    """A nested state dict flattened as DCP flattens it, every tensor cut into chunks."""
+
+    entries: Dict[str, Any]  # flat name -> TensorEntry, or a non-tensor value
+    mapping: Dict[str, Any]  # flat name -> path in the nested dict (DCP's planner_data)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes to copy, tied tensors once."""
+        seen: Dict[int, int] = {}
+        for e in self.entries.values():
+            if isinstance(e, TensorEntry):
+                seen[id(e.fill)] = sum(c.fill.nbytes for c in e.chunks)
+        return sum(seen.values())
+
+
+def plan_dcp(tree: Mapping[str, Any]) -> DcpPlan:
+    """Flatten ``tree`` as ``dcp.save`` does, and cut every tensor into chunks (a tie's chunks are shared)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, mapping = flatten_state_dict(dict(tree))
+    by_fill: Dict[int, List[Chunk]] = {}
+    entries: Dict[str, Any] = {}
+    for name, value in flat.items():
+        if is_tensor(value):
+            fill = as_fill(value)
+            if id(fill) not in by_fill:
+                by_fill[id(fill)] = chunks_of(fill)
+            entries[name] = TensorEntry(fill, by_fill[id(fill)])
+        else:
+            entries[name] = value
+    return DcpPlan(entries, dict(mapping))
+
+
+NameMap = Callable[[str], Optional[str]]  # new name, or None to drop
+
+
+def fsdp2_optimizer(ckpt: ShardedCheckpoint, rename: NameMap = lambda n: n) -> Dict[str, Any]:
+    """The optimizer state as ``get_optimizer_state_dict`` gives it for the same model under FSDP2.
+
+    ``state`` is keyed by parameter name; moments are in the parameter's
+    shape (fairscale's flat, padded shards re-cut per parameter), 0-dim
+    values such as ``step`` come from rank 0 and are shared by the members
+    of one flat parameter. ``param_groups`` list parameter names.
+    """
+    check_optimizer(ckpt)
+    M, flat = ckpt.world_size, ckpt.layout.flat_params()
+    osds = [ckpt.optimizer_state(r) for r in range(M)]
+    state: Dict[str, Dict[str, Any]] = {}
+    names_of: Dict[int, List[str]] = {}
+    for lid, (part, inst, fp) in enumerate(flat):
+        names = [rename(part.prefix + inst.logical_name(m.name)) for m in fp.members]
+        names_of[lid] = [n for n in names if n is not None]
+        entry = osds[0]["state"].get(lid)
+        if entry is None:
+            continue
+        scalars = {k: whole(v) for k, v in entry.items() if isinstance(v, TensorRef) and len(v.shape) == 0}
+        for m, name in zip(fp.members, names):
+            if name is None:
+                continue
+            s: Dict[str, Any] = {}
+            for k, v in entry.items():
+                if k in scalars:
+                    s[k] = scalars[k]
+                elif isinstance(v, TensorRef):
+                    refs = [osds[r]["state"][lid][k] for r in range(M)]
+                    s[k] = Fill(m.shape, v.dtype, member_sources(refs, inst, fp, m))
+                else:
+                    s[k] = v
+            state[name] = s
+    groups = []
+    for g in osds[0]["param_groups"]:
+        new = {k: copy_tree(v) for k, v in g.items() if k != "params"}
+        new["params"] = [n for lid in g["params"] for n in names_of[lid]]
+        groups.append(new)
+    return {"state": state, "param_groups": groups}
+
+
+def container_extra(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
+    """Rank 0's container without weights, FSDP metadata and optimizer state/param_groups.
+
+    What is left (fairseq's cfg and training progress, VISSL's phase,
+    fairseq's loss_scale) is carried, as consolidating does.
+    """
+    tree = copy_tree(ckpt.objs[0])
+    for spec in ckpt.container.parts:
+        set_path(tree, spec.weights, {})
+        set_path(tree, spec.metadata, {})
+    if ckpt.container.optimizer is not None:
+        opt = get_path(tree, ckpt.container.optimizer)
+        for k in ("state", "param_groups"):
+            opt.pop(k, None)
+    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+
+
+def fairscale_to_dcp(
+    ckpt: ShardedCheckpoint, weights: Mapping[str, Fill], optimizer: bool, rename: NameMap = lambda n: n
+) -> Dict[str, Any]:
+    """The nested state dict to store: model weights (already selected, renamed and cast), optimizer, extra."""
+    tree: Dict[str, Any] = {MODEL: dict(weights)}
+    if optimizer:
+        if ckpt.container.optimizer is None:
+            raise CheckpointError("the shards hold no optimizer state")
+        tree[OPTIM] = fsdp2_optimizer(ckpt, rename)
+    tree[EXTRA] = container_extra(ckpt)
+    return tree
+
+
+def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any], prefix_map: NameMap = lambda n: n) -> Dict[str, Any]:
+    """fairscale's full optimizer format (``gather_full_optim_state_dict``) from an FSDP2-style one.
+
+    ``optim`` is keyed by parameter name (as :func:`fsdp2_optimizer` writes,
+    or ``get_optimizer_state_dict`` gives); the result numbers parameters
+    in ``ckpt``'s flat order, so ``sharded_optimizer_from_full`` can cut it
+    for any world size. Every flattened parameter must have its state.
+    """
+    if not isinstance(optim, Mapping) or "state" not in optim or "param_groups" not in optim:
+        raise CheckpointError("optimizer state lacks 'state' or 'param_groups'")
+    groups = optim["param_groups"]
+    if len(groups) != 1:
+        raise CheckpointError(f"optimizer has {len(groups)} param groups; fairscale's format supports one")
+    state: Dict[int, Any] = {}
+    id_map: Dict[int, Optional[int]] = {}
+    missing: List[str] = []
+    gid = 0
+    for lid, (part, inst, fp) in enumerate(ckpt.layout.flat_params()):
+        for m in fp.members:
+            name = prefix_map(part.prefix + inst.logical_name(m.name))
+            entry = optim["state"].get(name) if name is not None else None
+            if entry is None:
+                missing.append(str(name))
+            else:
+                state[gid] = dict(entry)
+            id_map[gid] = lid
+            gid += 1
+    if missing:
+        raise CheckpointError(
+            f"optimizer state missing for {len(missing)} parameters: {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )
+    group = {k: v for k, v in groups[0].items() if k != "params"}
+    group["params"] = list(range(gid))
+    return {"state": state, "param_groups": [group], "param_id_map": id_map}
+
+
+def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str) -> Dict[str, Any]:
+    """DCP's flattened names (``model.trunk.x``, ``optim.state.trunk.x.exp_avg``) -> values.
+
+    Non-tensor values are refused by name unless ``keep_non_tensors``.
+    """
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(tree))
+    out: Dict[str, Any] = {}
+    others = []
+    for k, v in flat.items():
+        if is_tensor(v):
+            out[k] = as_fill(v)
+        elif keep_non_tensors:
+            out[k] = v
+        else:
+            others.append(k)
+    if others:
+        raise CheckpointError(
+            f"{where}: {len(others)} entries are not tensors ({', '.join(others[:6])}"
+            + (" ..." if len(others) > 6 else "")
+            + "): this output holds tensors only; narrow it with --select (e.g. --select model.)"
+        )
+    return out
+
+
+def model_state(tree: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """The model's state dict inside a DCP tree (the ``model`` key)."""
+    if MODEL not in tree or not isinstance(tree[MODEL], Mapping):
+        raise CheckpointError(f"{where}: no '{MODEL}' state dict inside (keys: {sorted(map(str, tree))})")
+    return dict(tree[MODEL])
