@@ -40,6 +40,17 @@ full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_met
 torch.save(full, out)
 """
 
+# The obvious way to DCP without ckptshard: consolidate in memory, then dcp.save in one process.
+FAIRSCALE_TO_DCP = """
+import sys, torch
+import torch.distributed.checkpoint as dcp
+from fairscale.nn import FullyShardedDataParallel as FSDP
+src, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+shards = [torch.load(f"{src}/checkpoint_last-shard{r}.pt", weights_only=True) for r in range(n)]
+full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards])
+dcp.save({"model": full}, checkpoint_id=out, no_dist=True)
+"""
+
 # metaseq-style resharding: consolidate everything in memory, then re-split each flat param.
 METASEQ_RESHARD = """
 import os, sys, torch
@@ -103,9 +114,11 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
         ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
         (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),
+        ("ckptshard convert --to dcp", ck + ["convert", src, "--to", "dcp", "-o", out, "-q"]),
     ]
     if fairscale:
         cases.insert(1, ("fairscale consolidate_shard_weights + torch.save", [PY, "-c", FAIRSCALE_CONSOLIDATE, src, str(shards), out + ".pt"]))
+        cases.append(("fairscale consolidate + dcp.save (one process)", [PY, "-c", FAIRSCALE_TO_DCP, src, str(shards), out]))
         cases.append((f"metaseq-style reshard {shards}->3 (consolidate, re-split)", [PY, "-c", METASEQ_RESHARD, src, str(shards), "3", out]))
     # 3 -> 8: from a 3-shard copy made by ckptshard itself.
     three = os.path.join(work, "three")

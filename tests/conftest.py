@@ -112,3 +112,44 @@ def oracles(fixtures, resharded, cache_root, tmp_path_factory):
             out[(m, n)] = folder
         build_oracles(n, jobs)
     return out
+
+
+@pytest.fixture(scope="session")
+def next_step_fixture(cache_root: pathlib.Path) -> pathlib.Path:
+    """An fp32 run at world size 2 that also records one more step (ref/next_step.pt)."""
+    return _once(cache_root / "fp32-ws2-next", lambda d: build_fixture(d, 2, "fp32", next_step=True))
+
+
+FSDP2_WORLD_SIZES = (1, 2, 3)
+
+
+@pytest.fixture(scope="session")
+def fsdp2_runs(fixtures, next_step_fixture, tmp_path_factory):
+    """Fixtures converted to DCP by ckptshard, loaded into torch FSDP2 at world sizes 1-3.
+
+    Returns ``{"dcp": {name: folder}, "loaded": {(name, ws): result file}, "saved": folder}``;
+    ``saved`` is the mixed-ws3 checkpoint as FSDP2 at world size 2 re-saved it with ``dcp.save``.
+    """
+    from ckptshard.execute.convert import convert
+    from ckptshard.testing.fsdp2 import load_in_fsdp2
+    from ckptshard.testing.fixtures import STEPS
+
+    root = tmp_path_factory.mktemp("fsdp2")
+    sources = {"mixed3": src_of(fixtures[3], "fairseq"), "vissl2": src_of(fixtures[2], "vissl"),
+               "next": src_of(next_step_fixture, "fairseq")}
+    dcps = {}
+    for name, src in sources.items():
+        dcps[name] = root / f"{name}.dcp"
+        convert(src, str(dcps[name]), "dcp", progress=False)
+    loaded = {}
+    for ws in FSDP2_WORLD_SIZES:
+        jobs = []
+        for name in ("mixed3", "next") + (("vissl2",) if ws == 2 else ()):
+            loaded[(name, ws)] = root / f"{name}-ws{ws}.pt"
+            job = {"dcp": str(dcps[name]), "out": str(loaded[(name, ws)]),
+                   "next_step": STEPS if name == "next" else None}
+            if name == "mixed3" and ws == 2:
+                job["save"] = str(root / "saved-by-fsdp2.dcp")
+            jobs.append(job)
+        load_in_fsdp2(ws, jobs)
+    return {"dcp": dcps, "loaded": loaded, "saved": root / "saved-by-fsdp2.dcp"}

@@ -9,6 +9,8 @@ Layout of ``build_fixture(root, W)``'s output folder::
     ref/full_state_dict.pt                           live model.state_dict() (rank 0)
     ref/full_optim.pt                                gather_full_optim_state_dict() (rank 0; not at world size 1)
     ref/losses.pt                                    per-step losses of rank 0
+    ref/next_step.pt                                 (next_step=True) one more step, BatchNorm in eval mode:
+                                                     its global loss and the live state_dict() after it
 """
 from __future__ import annotations
 
@@ -70,7 +72,27 @@ def make_optimizer(params, variant: str) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=LR)
 
 
-def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: int, steps: int) -> None:
+def global_step(model: Any, optim: torch.optim.Optimizer, rank: int, world_size: int, step: int, seed: int) -> float:
+    """One training step with BatchNorm in eval mode; the loss of the whole global batch.
+
+    Eval mode and the mean over ranks make the loss the same at every world
+    size (up to reduction order), so runs at different world sizes compare.
+    """
+    import torch.distributed as dist
+
+    model.eval()
+    x, *ys = local_batch(step, rank, world_size, seed)
+    loss = loss_fn(model(x), tuple(ys))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world_size
+
+
+def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: int, steps: int,
+                    next_step: bool = False) -> None:
     torch.manual_seed(seed)
     root = wrap_fixture_model(VisslLikeModel(), variant)
     optim = make_optimizer(root.parameters(), variant)
@@ -91,6 +113,11 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
             torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
         torch.save({"losses": losses, "variant": variant, "world_size": world_size},
                    os.path.join(out, "ref", "losses.pt"))
+    if next_step:
+        loss = global_step(root, optim, rank, world_size, steps, seed)
+        after = root.state_dict()
+        if rank == 0:
+            torch.save({"loss": loss, "step": steps, "full_state_dict": after}, os.path.join(out, "ref", "next_step.pt"))
 
 
 def save_containers(
@@ -159,10 +186,11 @@ def save_containers(
         )
 
 
-def build_fixture(out: str, world_size: int, variant: str = "mixed", seed: int = 0, steps: int = STEPS) -> str:
+def build_fixture(out: str, world_size: int, variant: str = "mixed", seed: int = 0, steps: int = STEPS,
+                  next_step: bool = False) -> str:
     """Train the fixture model on ``world_size`` gloo ranks and save every container into ``out``."""
     os.makedirs(out, exist_ok=True)
-    run_world(_fixture_worker, world_size, out, variant, seed, steps)
+    run_world(_fixture_worker, world_size, out, variant, seed, steps, next_step)
     return out
 
 
