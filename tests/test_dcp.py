@@ -13,7 +13,7 @@ from ckptshard.execute.convert import convert
 from ckptshard.io.dcp import read_metadata
 from ckptshard.io.source import open_checkpoint
 
-from .conftest import FSDP2_WORLD_SIZES, load_ref, src_of
+from conftest import FSDP2_WORLD_SIZES, load_ref, src_of
 
 
 def _names_by_gid(src):
@@ -146,7 +146,15 @@ def test_dcp_to_fairscale_equals_reshard(fsdp2_runs, fixtures, resharded, tmp_pa
         assert set(go["state"]) == set(wo["state"])
         for pid in wo["state"]:
             for k, v in wo["state"][pid].items():
-                assert torch.equal(go["state"][pid][k], v), (name, pid, k)
+                g = go["state"][pid][k]
+                if k == "step" and which == "torch":
+                    # The fixture's step is a Python float (gather_full_optim_state_dict made it one before
+                    # the save); torch's Adam turned it back into a tensor before FSDP2 re-saved it.
+                    assert float(g) == float(v)
+                elif isinstance(v, torch.Tensor):
+                    assert torch.equal(g, v), (name, pid, k)
+                else:
+                    assert type(g) is type(v) and g == v, (name, pid, k)
 
 
 def test_dtype_casts_weights_not_optimizer(fixtures, tmp_path):

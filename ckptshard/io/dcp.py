@@ -194,6 +194,7 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
     ("torch.distributed.checkpoint.planner", "_Checkpointable"),
     ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name
     ("collections", "OrderedDict"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),

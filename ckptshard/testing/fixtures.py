@@ -9,8 +9,8 @@ Layout of ``build_fixture(root, W)``'s output folder::
     ref/full_state_dict.pt                           live model.state_dict() (rank 0)
     ref/full_optim.pt                                gather_full_optim_state_dict() (rank 0; not at world size 1)
     ref/losses.pt                                    per-step losses of rank 0
-    ref/next_step.pt                                 (next_step=True) one more step, BatchNorm in eval mode:
-                                                     its global loss and the live state_dict() after it
+    ref/next_step.pt                                 (next_step=True: BatchNorm in eval mode throughout)
+                                                     one more step: its global loss, the state_dict() after it
 """
 from __future__ import annotations
 
@@ -96,6 +96,10 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
     torch.manual_seed(seed)
     root = wrap_fixture_model(VisslLikeModel(), variant)
     optim = make_optimizer(root.parameters(), variant)
+    if next_step:
+        # BatchNorm statistics are per rank and per batch: in eval mode every rank keeps the same
+        # buffers, so the next step's loss is the same at every world size.
+        root.eval()
     losses = train_steps(root, optim, rank, world_size, range(steps), seed)
     full = root.state_dict()
     # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params).
@@ -114,6 +118,10 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
         torch.save({"losses": losses, "variant": variant, "world_size": world_size},
                    os.path.join(out, "ref", "losses.pt"))
     if next_step:
+        # gather_full_optim_state_dict left Python floats in the live state; torch's Adam steps on tensors.
+        for st in optim.state.values():
+            if isinstance(st.get("step"), float):
+                st["step"] = torch.tensor(st["step"], dtype=torch.float32)
         loss = global_step(root, optim, rank, world_size, steps, seed)
         after = root.state_dict()
         if rank == 0:

@@ -37,6 +37,7 @@ def fsdp2_model() -> Any:
 
 def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.utils._pytree import tree_map
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -53,10 +54,11 @@ def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None
         dcp.load(state, checkpoint_id=job["dcp"])
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
-        result: Dict[str, Any] = {
+        # At world size 1 the "full" state dict aliases the live parameters: copy it before stepping.
+        result: Dict[str, Any] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, {
             "model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, optim, options=full),
-        }
+        })
         if job.get("save"):  # torch's own DCP writer, for the reader's tests
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
                      checkpoint_id=job["save"])
