@@ -80,6 +80,25 @@ def write_file_manifest(output: str, source: Dict[str, Any], command: str) -> No
         write_json(tmp, manifest)
 
 
+def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,
+               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool) -> None:
+    """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
+
+    An index folder carries its manifest inside; a single file gets it from
+    :func:`write_file_manifest` once every output is in place.
+    """
+    if fmt == "safetensors-index":
+        with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+            names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"})
+            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, command))
+        return
+    with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
+        if fmt == "torch":
+            write_torch(tmp, tree, copier, tick, trust_pickles)
+        else:
+            write_safetensors(tmp, tree, copier, tick, {"format": "pt"})
+
+
 def optimizer_path(out: str) -> str:
     stem = out[: -len(os.path.splitext(out)[1])] if os.path.splitext(out)[1] else out.rstrip("/")
     return stem + ".optim.pt"
@@ -132,17 +151,8 @@ def consolidate(
     outputs: List[str] = []
     source = source_info(ckpt)  # fingerprinted once, for every manifest
     with Copier() as copier, progress_bar(total, "consolidate", progress) as tick:
-        if fmt == "torch":
-            tree: Any = container_tree(ckpt, weights, optim) if container else weights
-            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
-                write_torch(tmp, tree, copier, tick, trust_pickles)
-        elif fmt == "safetensors":
-            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
-                write_safetensors(tmp, weights, copier, tick, {"format": "pt"})
-        else:
-            with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-                names = write_safetensors_index(tmp, weights, max_shard_size or 0, copier, tick, {"format": "pt"})
-                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, "consolidate"))
+        tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
+        write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles)
         outputs.append(out)
         if opt_out is not None:
             with atomic_output(opt_out, is_dir=False, overwrite=overwrite) as tmp:

@@ -17,12 +17,12 @@ from ..io.dcp import DcpCheckpoint, is_dcp, open_dcp, write_dcp
 from ..io.fill import Copier, is_tensor
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.source import open_checkpoint
-from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
+from ..io.writers import tree_nbytes
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import OPTIM, fairscale_full_optimizer, fairscale_to_dcp, flat_tensors, model_state, plan_dcp
 from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
 from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
-from .consolidate import consolidate, output_format, source_info, write_file_manifest
+from .consolidate import consolidate, output_format, source_info, write_file_manifest, write_full
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -132,24 +132,14 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         tree: Any = d.tree  # everything, nested: what format_utils.dcp_to_torch_save writes
         count = sum(1 for v in flat_tensors(d.tree, True, src).values() if is_tensor(v))
     else:
-        tree = transform(flat_tensors(d.tree, False, src) if not select else
-                         flat_tensors(_selected(d.tree, select), False, src),
-                         select, strip_prefix, renames, DTYPES.get(dtype or ""))
+        tensors = flat_tensors(_selected(d.tree, select) if select else d.tree, False, src)
+        tree = transform(tensors, select, strip_prefix, renames, DTYPES.get(dtype or ""))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
     check_space(out, total)
     source = _dcp_source_info(d)
     with Copier() as copier, progress_bar(total, f"convert -> {to}", progress) as tick:
-        if fmt == "torch":
-            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
-                write_torch(tmp, tree, copier, tick, trust_pickles)
-        elif fmt == "safetensors":
-            with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
-                write_safetensors(tmp, tree, copier, tick, {"format": "pt"})
-        else:
-            with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-                names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"})
-                write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, "convert"))
+        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles)
     if os.path.isfile(out):
         write_file_manifest(out, source, "convert")
     return ConvertResult([out], count, total)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import metadata as dmd
 from ..errors import CheckpointError
 from ..layout.boxes import box_runs, numel
 from ..plan.dcp import Chunk, DcpPlan, TensorEntry
-from .fill import Copier, Fill, Progress, Source, as_fill, is_tensor
+from .fill import Copier, Fill, Progress, Source, as_fill
 from .safe_load import TensorRef, _to_refs, safe_torch_load
 from .writers import _fake_mode
 
