@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier, Fill, whole
+from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
@@ -73,30 +74,33 @@ def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
     }
 
 
-def write_file_manifest(output: str, source: Dict[str, Any], command: str) -> None:
+def write_file_manifest(output: str, source: Dict[str, Any], command: str, hashes: Optional[Hashes] = None) -> None:
     """``OUT.manifest.json`` beside a single-file output, itself written atomically."""
-    manifest = build_manifest(os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command)
+    manifest = build_manifest(os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command,
+                              hashes)
     with atomic_output(manifest_path(output), is_dir=False, overwrite=True) as tmp:
         write_json(tmp, manifest)
 
 
 def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,
-               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool) -> None:
+               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, hashes: Hashes) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
     An index folder carries its manifest inside; a single file gets it from
-    :func:`write_file_manifest` once every output is in place.
+    :func:`write_file_manifest` once every output is in place. ``hashes``
+    hashes the output while it is written.
     """
     if fmt == "safetensors-index":
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"})
-            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, command))
+            names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"}, hashes)
+            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, command, hashes))
         return
     with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
         if fmt == "torch":
-            write_torch(tmp, tree, copier, tick, trust_pickles)
+            write_torch(tmp, tree, copier, tick, trust_pickles, hashes)
         else:
-            write_safetensors(tmp, tree, copier, tick, {"format": "pt"})
+            write_safetensors(tmp, tree, copier, tick, {"format": "pt"}, hashes)
+    hashes.moved(tmp, out)
 
 
 def optimizer_path(out: str) -> str:
@@ -150,15 +154,16 @@ def consolidate(
     check_space(out, total)
     outputs: List[str] = []
     source = source_info(ckpt)  # fingerprinted once, for every manifest
-    with Copier() as copier, progress_bar(total, "consolidate", progress) as tick:
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress) as tick:
         tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
-        write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles)
+        write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles,
+                   hashes)
         outputs.append(out)
         if opt_out is not None:
-            with atomic_output(opt_out, is_dir=False, overwrite=overwrite) as tmp:
-                write_torch(tmp, optim, copier, tick, trust_pickles)
+            write_full(opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles,
+                       hashes)
             outputs.append(opt_out)
-    for o in outputs:
-        if os.path.isfile(o):
-            write_file_manifest(o, source, "consolidate")
+        for o in outputs:
+            if os.path.isfile(o):
+                write_file_manifest(o, source, "consolidate", hashes)
     return ConsolidateResult(outputs, len(weights), total)

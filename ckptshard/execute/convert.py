@@ -15,14 +15,32 @@ from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.dcp import DcpCheckpoint, is_dcp, open_dcp, write_dcp
 from ..io.fill import Copier, is_tensor
+from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.source import open_checkpoint
 from ..io.writers import tree_nbytes
 from ..plan.consolidate import consolidated_weights
-from ..plan.dcp import OPTIM, fairscale_full_optimizer, fairscale_to_dcp, flat_tensors, model_state, plan_dcp
-from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
+from ..plan.dcp import (
+    OPTIM,
+    fairscale_full_optimizer,
+    fairscale_to_dcp,
+    flat_tensors,
+    model_state,
+    plan_dcp,
+)
+from ..plan.shard import (
+    check_full_against_plan,
+    sharded_from_full,
+    sharded_optimizer_from_full,
+)
 from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
-from .consolidate import consolidate, output_format, source_info, write_file_manifest, write_full
+from .consolidate import (
+    consolidate,
+    output_format,
+    source_info,
+    write_file_manifest,
+    write_full,
+)
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -103,10 +121,10 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
     plan = plan_dcp(tree)
     check_space(out, plan.nbytes)
-    with Copier() as copier, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
+    with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_dcp(tmp, plan, copier, tick)
-            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert"))
+            names = write_dcp(tmp, plan, copier, tick, hashes)
+            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", hashes))
     return ConvertResult([out], len(weights), plan.nbytes)
 
 
@@ -138,10 +156,10 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
     check_space(out, total)
     source = _dcp_source_info(d)
-    with Copier() as copier, progress_bar(total, f"convert -> {to}", progress) as tick:
-        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles)
-    if os.path.isfile(out):
-        write_file_manifest(out, source, "convert")
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress) as tick:
+        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes)
+        if os.path.isfile(out):
+            write_file_manifest(out, source, "convert", hashes)
     return ConvertResult([out], count, total)
 
 

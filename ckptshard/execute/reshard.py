@@ -10,6 +10,7 @@ import torch
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier
+from ..io.hashing import Hashes
 from ..io.full_state import full_state_refs
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.safe_load import load_lazy
@@ -59,26 +60,27 @@ def write_rank_files(
     if world is not None:
         return _write_distributed(template, trees, names, dst, desc, overwrite, source, total, *world)
     check_space(dst, total)
-    with Copier() as copier, progress_bar(total, desc, progress) as tick:
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, desc, progress) as tick:
         with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
             work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
             if jobs > 1:
                 write_in_processes(work, jobs, template.trust_pickles, tick)
             else:
                 for tree, path in work:
-                    write_torch(path, tree, copier, tick, template.trust_pickles)
-            names = _finish_folder(template, tmp, names, source, desc)
+                    write_torch(path, tree, copier, tick, template.trust_pickles, hashes)
+            names = _finish_folder(template, tmp, names, source, desc, hashes)
     return ReshardResult(dst, names, total)
 
 
-def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str) -> List[str]:
+def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str,
+                   hashes: Optional[Hashes] = None) -> List[str]:
     """VISSL's shard_list and the manifest, once every rank file is written."""
     names = list(names)
     if template.container.kind == "vissl":
         list_name = shard_list_name(template)
         torch.save({"type": "shard_list", "shards": names}, os.path.join(folder, list_name))
         names.append(list_name)
-    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0]))
+    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], hashes))
     return names
 
 

@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from ..layout.boxes import box_runs, numel
 from ..plan.dcp import Chunk, DcpPlan, TensorEntry
 from .fill import Copier, Fill, Progress, Source, as_fill
+from .hashing import Hashes
 from .safe_load import TensorRef, _to_refs, safe_torch_load
 from .writers import _fake_mode
 
@@ -133,7 +134,8 @@ def _file_index(chunk: Chunk, paths: Dict[str, int]) -> int:
     return paths[srcs[0].ref.path] if srcs else 0
 
 
-def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None) -> List[str]:
+def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None,
+              hashes: Optional[Hashes] = None) -> List[str]:
     """Write a planned DCP checkpoint into the existing ``folder``; returns the names of the files written.
 
     Tied tensors (one Fill under two names) are stored once and named twice.
@@ -145,6 +147,8 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
     n_files = max(1, len(src_paths))
     names = [f"__{i}_0.distcp" for i in range(n_files)]
     fds = [os.open(os.path.join(folder, n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) for n in names]
+    # Each data file is written front to back: what lies before its end is final.
+    watch = [hashes.watch(os.path.join(folder, n)) if hashes else (lambda n: None) for n in names]
     ends = [0] * n_files
     placed: Dict[int, Tuple[int, int, int]] = {}  # id(chunk) -> (file, offset, length)
     sd_meta: Dict[str, Any] = {}
@@ -157,6 +161,7 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
                 os.pwrite(fds[0], buf.getbuffer(), ends[0])
                 storage[dmd.MetadataIndex(name)] = _storage_info(names[0], ends[0], len(buf.getbuffer()))
                 ends[0] += len(buf.getbuffer())
+                watch[0](ends[0])
                 sd_meta[name] = dmd.BytesStorageMetadata()
                 continue
             fill, chunks = entry.fill, entry.chunks
@@ -166,6 +171,7 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
                     length = _write_tensor_chunk(fds[i], ends[i], c, copier, progress)
                     placed[id(c)] = (i, ends[i], length)
                     ends[i] += length
+                    watch[i](ends[i])
                 i, at, length = placed[id(c)]
                 storage[dmd.MetadataIndex(name, c.offsets)] = _storage_info(names[i], at, length)
             sd_meta[name] = dmd.TensorStorageMetadata(

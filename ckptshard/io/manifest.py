@@ -8,10 +8,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from .. import __version__
 from ..errors import CheckpointError
+from .hashing import Hashes
 
 MANIFEST = "ckptshard-manifest.json"
 
@@ -30,12 +31,17 @@ def manifest_path(output: str) -> str:
     return os.path.join(output, MANIFEST) if os.path.isdir(output) else output + ".manifest.json"
 
 
-def build_manifest(root: str, names: List[str], source: Mapping[str, Any], command: str) -> Dict[str, Any]:
-    """Describe files ``names`` under folder ``root`` (or ``root`` itself when ``names`` is ``[""]``)."""
+def build_manifest(root: str, names: List[str], source: Mapping[str, Any], command: str,
+                   hashes: Optional[Hashes] = None) -> Dict[str, Any]:
+    """Describe files ``names`` under folder ``root`` (or ``root`` itself when ``names`` is ``[""]``).
+
+    Files hashed while they were written (``hashes``) are not read again.
+    """
     files = {}
     for n in names:
         p = os.path.join(root, n) if n else root
-        files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), "sha256": sha256_of(p)}
+        digest = hashes.digest(p) if hashes else None
+        files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), "sha256": digest or sha256_of(p)}
     return {"ckptshard_version": __version__, "command": command, "source": dict(source), "files": files}
 
 

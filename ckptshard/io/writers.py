@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CheckpointError
 from .fill import Copier, Fill, Progress
+from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
 from .tree import leaves, map_leaves
 
@@ -65,11 +66,13 @@ def write_torch(
     copier: Copier,
     progress: Optional[Progress] = None,
     trust_pickles: bool = False,
+    hashes: Optional[Hashes] = None,
 ) -> None:
     """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
 
     The pickle is written by torch itself (``skip_data`` over fake tensors),
-    so any torch can read the file; tensor bytes are then filled in place.
+    so any torch can read the file; tensor bytes are then filled in place,
+    front to back (``hashes`` hashes what is final while the rest is copied).
     """
     mode = _fake_mode()
     fakes: Dict[int, torch.Tensor] = {}
@@ -104,9 +107,12 @@ def write_torch(
         base = meta.untyped_storage()._checkpoint_offset
         targets[id(leaf)] = (int(base) + meta.storage_offset() * meta.element_size(), leaf)
     del placed
+    watch = hashes.watch(path) if hashes else None
     fd = os.open(path, os.O_RDWR)
     try:
         for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
+            if watch:
+                watch(offset)
             copier.fill(fd, offset, fill, progress)
     finally:
         os.close(fd)
@@ -139,15 +145,19 @@ def write_safetensors(
     copier: Copier,
     progress: Optional[Progress] = None,
     metadata: Optional[Mapping[str, str]] = None,
+    hashes: Optional[Hashes] = None,
 ) -> None:
     """One safetensors file; tied tensors are stored as separate copies, as the format requires."""
     head, offsets = _safetensors_header(tensors, metadata)
     total = len(head) + sum(f.nbytes for f in tensors.values())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    watch = hashes.watch(path) if hashes else None  # the file exists from here
     try:
         os.pwrite(fd, head, 0)
         os.ftruncate(fd, total)
         for name in sorted(tensors):
+            if watch:
+                watch(len(head) + offsets[name])
             copier.fill(fd, len(head) + offsets[name], tensors[name], progress)
     finally:
         os.close(fd)
@@ -174,6 +184,7 @@ def write_safetensors_index(
     copier: Copier,
     progress: Optional[Progress] = None,
     metadata: Optional[Mapping[str, str]] = None,
+    hashes: Optional[Hashes] = None,
 ) -> List[str]:
     """Index-sharded safetensors (the ``model.safetensors.index.json`` convention)."""
     groups = split_by_size(tensors, max_bytes)
@@ -181,7 +192,8 @@ def write_safetensors_index(
     weight_map, names = {}, []
     for i, group in enumerate(groups, start=1):
         fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        write_safetensors(os.path.join(folder, fname), {k: tensors[k] for k in group}, copier, progress, metadata)
+        write_safetensors(os.path.join(folder, fname), {k: tensors[k] for k in group}, copier, progress, metadata,
+                          hashes)
         weight_map.update({k: fname for k in group})
         names.append(fname)
     index = {

@@ -37,7 +37,6 @@ def fsdp2_model() -> Any:
 
 def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.utils._pytree import tree_map
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -45,6 +44,7 @@ def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+    from torch.utils._pytree import tree_map
 
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     for job in jobs:

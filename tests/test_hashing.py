@@ -1,0 +1,39 @@
+"""Hashing outputs while they are written gives the digest of the finished file."""
+import hashlib
+import os
+
+import pytest
+
+from ckptshard.io.hashing import Hashes, TrailingHash
+
+
+def test_trailing_hash_equals_sha256_of_the_finished_file(tmp_path):
+    path = tmp_path / "f"
+    data = os.urandom(3 * (16 << 20) + 12345)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    h = TrailingHash(str(path))
+    os.ftruncate(fd, len(data))
+    for start in range(0, len(data), 5_000_000):  # written front to back, announced as it goes
+        h.advance(start)
+        os.pwrite(fd, data[start:start + 5_000_000], start)
+    os.close(fd)
+    assert h.hexdigest(len(data)) == hashlib.sha256(data).hexdigest()
+
+
+def test_hashes_follow_a_rename_and_report_unwatched_files_as_none(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"x" * 1000)
+    with Hashes() as hashes:
+        hashes.watch(str(a))
+        os.rename(a, b)
+        hashes.moved(str(a), str(b))
+        assert hashes.digest(str(b)) == hashlib.sha256(b"x" * 1000).hexdigest()
+        assert hashes.digest(str(a)) is None
+
+
+def test_a_file_shorter_than_announced_is_an_error(tmp_path):
+    path = tmp_path / "short"
+    path.write_bytes(b"abc")
+    h = TrailingHash(str(path))
+    with pytest.raises(OSError, match="shorter"):
+        h.hexdigest(10)
