@@ -37,3 +37,19 @@ def test_a_file_shorter_than_announced_is_an_error(tmp_path):
     h = TrailingHash(str(path))
     with pytest.raises(OSError, match="shorter"):
         h.hexdigest(10)
+
+
+def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refused():
+    import resource
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from ckptshard.io.writers import placeholder
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    small = placeholder((1 << 28,), torch.float32)  # 1 GiB of address space, never touched
+    assert not isinstance(small, FakeTensor) and small.numel() == 1 << 28
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB
+    huge = placeholder((1 << 52,), torch.float32)  # no system grants 16 PiB
+    assert isinstance(huge, FakeTensor) and huge.shape == (1 << 52,)

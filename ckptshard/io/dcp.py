@@ -28,7 +28,7 @@ from ..plan.dcp import Chunk, DcpPlan, TensorEntry
 from .fill import Copier, Fill, Progress, Source, as_fill
 from .hashing import Hashes
 from .safe_load import TensorRef, _to_refs, safe_torch_load
-from .writers import _fake_mode
+from .writers import placeholder
 
 METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was written
@@ -114,8 +114,7 @@ class _Slice(io.RawIOBase):
 
 def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress]) -> int:
     """One chunk's torch.save frame at byte ``at``, data copied in; returns its length."""
-    with _fake_mode():
-        fake = torch.empty(chunk.sizes, dtype=chunk.fill.dtype)
+    fake = placeholder(chunk.sizes, chunk.fill.dtype)
     w = _HoleWriter(fd, at)
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(fake, w)

@@ -11,7 +11,6 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import CheckpointError
 from .fill import Copier, Fill, Progress
@@ -36,15 +35,31 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
 
 
-_FAKE_MODE: Optional[FakeTensorMode] = None
+_FAKE_MODE: Any = None
 
 
-def _fake_mode() -> FakeTensorMode:
+def _fake_mode() -> Any:
     """One FakeTensorMode per process: making one costs about a second."""
     global _FAKE_MODE
     if _FAKE_MODE is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
         _FAKE_MODE = FakeTensorMode()
     return _FAKE_MODE
+
+
+def placeholder(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor for torch.save to lay out under ``skip_data``: its bytes are never written or read.
+
+    ``torch.empty`` reserves address space only (untouched pages take no
+    memory) and costs nothing; where the system refuses even that (strict
+    overcommit, a tensor larger than memory), a fake tensor stands in.
+    """
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except RuntimeError:
+        with _fake_mode():
+            return torch.empty(shape, dtype=dtype)
 
 
 def _fills_in(tree: Any) -> List[Fill]:
@@ -70,11 +85,10 @@ def write_torch(
 ) -> None:
     """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
 
-    The pickle is written by torch itself (``skip_data`` over fake tensors),
+    The pickle is written by torch itself (``skip_data`` over placeholder tensors),
     so any torch can read the file; tensor bytes are then filled in place,
     front to back (``hashes`` hashes what is final while the rest is copied).
     """
-    mode = _fake_mode()
     fakes: Dict[int, torch.Tensor] = {}
 
     def to_fake(leaf: Any) -> Any:
@@ -83,8 +97,7 @@ def write_torch(
         if not isinstance(leaf, Fill):
             return leaf
         if id(leaf) not in fakes:
-            with mode:
-                fakes[id(leaf)] = torch.empty(leaf.shape, dtype=leaf.dtype)
+            fakes[id(leaf)] = placeholder(leaf.shape, leaf.dtype)
         return fakes[id(leaf)]
 
     skeleton = map_leaves(tree, to_fake)
