@@ -180,7 +180,7 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 @click.option("--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches).")
 @click.option("--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable).")
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="--to fairscale: write output files in this many local processes.")
+              help="--to dcp or fairscale: write the output's files in this many local processes (same bytes).")
 @common_overwrite
 @common_trust
 @common_quiet

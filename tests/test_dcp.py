@@ -234,3 +234,59 @@ def test_verify_checks_a_dcp_output(fixtures, tmp_path):
     (out / "__1_0.distcp").write_bytes(bytes(data))
     res = _cli("verify", str(out))
     assert res.returncode == 2 and "__1_0.distcp" in res.stderr
+
+
+def test_per_rank_experts_are_refused_not_dropped(fixtures, tmp_path):
+    """An instance each rank holds whole (no_broadcast_optim_state) has no single DCP value."""
+    src = tmp_path / "moe"
+    src.mkdir()
+    for r in range(2):
+        obj = torch.load(fixtures[2] / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=False)
+        (entry,) = [e for e in obj["fsdp_metadata"]["param_metadata"] if e["fsdp_path"] == "trunk.gate"]
+        entry["no_broadcast_optim_state"] = True
+        entry["params"]["flat_param_0"]["padding"] = 0
+        obj["model"]["trunk.gate.flat_param_0"] = torch.linspace(0, 1, 3) + r  # each rank its own expert
+        torch.save(obj, src / f"checkpoint_last-shard{r}.pt")
+    with pytest.raises(CheckpointError, match="trunk.gate: each rank holds its own"):
+        convert(str(src), str(tmp_path / "out.dcp"), "dcp", progress=False)
+    assert not (tmp_path / "out.dcp").exists()
+
+
+@pytest.mark.parametrize("which", ["ws1", "half"])
+def test_other_fixtures_round_trip_through_torchs_reader(fixtures, half_fixture, tmp_path, which):
+    """World size 1 (unflattened params in their own shape) and a pure-fp16 trunk with SGD momentum."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder = fixtures[1] if which == "ws1" else half_fixture
+    out = tmp_path / "x.dcp"
+    convert(src_of(folder, "fairseq"), str(out), "dcp", progress=False)
+    dcp_to_torch_save(str(out), str(tmp_path / "x.pt"))
+    got = torch.load(tmp_path / "x.pt", weights_only=False)
+    _assert_state_equal(got["model"], load_ref(folder, "full_state_dict.pt"))
+    if which == "half":
+        ref = torch.load(folder / "ref" / "full_optim.pt", weights_only=False)
+        names = _names_by_gid(src_of(folder, "fairseq"))
+        for gid, name in enumerate(names):
+            mine = got["optim"]["state"][name]["momentum_buffer"]
+            assert torch.equal(mine, ref["state"][gid]["momentum_buffer"].reshape(mine.shape)), name
+
+
+def test_dcp_without_optimizer_state_needs_no_optimizer_for_fairscale(fixtures, tmp_path):
+    weights_only = tmp_path / "w.dcp"
+    convert(src_of(fixtures[2], "fairseq"), str(weights_only), "dcp", optimizer=False, progress=False)
+    with pytest.raises(CheckpointError, match="--no-optimizer"):
+        convert(str(weights_only), str(tmp_path / "fs"), "fairscale", like=src_of(fixtures[2], "fairseq"),
+                world_size=2, progress=False)
+    convert(str(weights_only), str(tmp_path / "fs"), "fairscale", like=src_of(fixtures[2], "fairseq"),
+            world_size=2, optimizer=False, progress=False)
+    shard0 = torch.load(tmp_path / "fs" / "checkpoint_last-shard0.pt", weights_only=True)
+    assert "last_optimizer_state" not in shard0
+    assert torch.equal(shard0["model"]["trunk.flat_param_0"],
+                       torch.load(fixtures[2] / "fairseq" / "checkpoint_last-shard0.pt",
+                                  weights_only=False)["model"]["trunk.flat_param_0"])
+
+
+def test_jobs_write_the_same_bytes(fixtures, tmp_path):
+    convert(src_of(fixtures[3], "metaseq"), str(tmp_path / "one"), "dcp", progress=False)
+    convert(src_of(fixtures[3], "metaseq"), str(tmp_path / "two"), "dcp", jobs=2, progress=False)
+    assert _md5s(tmp_path / "one") == _md5s(tmp_path / "two")

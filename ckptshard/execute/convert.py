@@ -89,7 +89,7 @@ def convert(
                          progress, select, strip_prefix, renames, dtype, jobs)
     if to == "dcp":
         return _fairscale_to_dcp(src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix,
-                                 renames, dtype)
+                                 renames, dtype, jobs)
     if to == "fairscale":
         if select or strip_prefix or renames or dtype or like:
             raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
@@ -113,7 +113,7 @@ def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
 
 def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trust_pickles: bool, progress: bool,
                       select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
-                      dtype: Optional[str]) -> ConvertResult:
+                      dtype: Optional[str], jobs: int) -> ConvertResult:
     ckpt = open_checkpoint(src, trust_pickles)
     check_output(out, overwrite, tuple(ckpt.files.paths))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
@@ -123,7 +123,7 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     check_space(out, plan.nbytes)
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_dcp(tmp, plan, copier, tick, hashes)
+            names = write_dcp(tmp, plan, copier, tick, hashes, jobs)
             write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", hashes))
     return ConvertResult([out], len(weights), plan.nbytes)
 
@@ -183,7 +183,10 @@ def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_siz
     full = transform(model_state(d.tree, d.folder), select, strip_prefix, renames)
     check_full_against_plan(template, full)
     full_optim = None
-    if optimizer and template.container.optimizer is not None and OPTIM in d.tree:
+    if optimizer and template.container.optimizer is not None and OPTIM not in d.tree:
+        raise CheckpointError(f"{d.folder}: no optimizer state ('{OPTIM}') to shard; "
+                              "pass --no-optimizer to write weights only")
+    if optimizer and template.container.optimizer is not None:
         new_name = name_mapper(select, strip_prefix, renames)
         by_new = {new_name(k): v for k, v in d.tree[OPTIM]["state"].items() if new_name(k) is not None}
         full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": d.tree[OPTIM]["param_groups"]})

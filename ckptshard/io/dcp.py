@@ -14,6 +14,7 @@ byte runs of the data files, so no chunk is ever loaded whole.
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -44,16 +45,17 @@ def _storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _StorageInfo(relative_path, offset, length)
 
 
-class _HoleWriter(io.RawIOBase):
-    """A seekable, write-only window of ``fd`` from byte ``base``.
+class _FrameRecorder(io.RawIOBase):
+    """A seekable sink that keeps what torch.save writes, as (position, bytes) runs.
 
-    torch.save under ``skip_data`` seeks over each tensor's bytes; the
-    forward seeks are recorded as holes, to be filled afterwards.
+    Under ``skip_data`` torch.save seeks over the tensor's bytes: the forward
+    seeks are recorded as holes, to be filled from the sources.
     """
 
-    def __init__(self, fd: int, base: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.fd, self.base, self.pos, self.end = fd, base, 0, 0
+        self.pos = self.end = 0
+        self.runs: List[Tuple[int, bytearray]] = []
         self.holes: List[Tuple[int, int]] = []
 
     def writable(self) -> bool:
@@ -63,10 +65,14 @@ class _HoleWriter(io.RawIOBase):
         return True
 
     def write(self, b: Any) -> int:
-        n = os.pwrite(self.fd, memoryview(b), self.base + self.pos)
-        self.pos += n
+        data = bytes(memoryview(b))
+        if self.runs and self.runs[-1][0] + len(self.runs[-1][1]) == self.pos:
+            self.runs[-1][1].extend(data)  # coalesce: a frame is a few pwrites, not dozens
+        else:
+            self.runs.append((self.pos, bytearray(data)))
+        self.pos += len(data)
         self.end = max(self.end, self.pos)
-        return n
+        return len(data)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         new = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else self.end + offset
@@ -78,6 +84,23 @@ class _HoleWriter(io.RawIOBase):
 
     def tell(self) -> int:
         return self.pos
+
+
+@functools.lru_cache(maxsize=4096)
+def tensor_frame(sizes: Tuple[int, ...], dtype: torch.dtype) -> Tuple[Tuple[Tuple[int, bytes], ...], int, int]:
+    """torch.save's frame for one tensor: (runs of bytes, where its data starts, total length).
+
+    The frame depends on shape and dtype alone, so chunks of one shape share it.
+    """
+    rec = _FrameRecorder()
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save(placeholder(sizes, dtype), rec)
+    nbytes = numel(sizes) * torch.empty((), dtype=dtype).element_size()
+    holes = [start for start, n in rec.holes if n == nbytes]
+    if nbytes and len(holes) != 1:
+        raise AssertionError(f"torch.save left {len(holes)} holes of {nbytes} bytes for one tensor")
+    data_at = holes[0] if nbytes else rec.end
+    return tuple((at, bytes(b)) for at, b in rec.runs), data_at, rec.end
 
 
 class _Slice(io.RawIOBase):
@@ -114,74 +137,116 @@ class _Slice(io.RawIOBase):
 
 def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress]) -> int:
     """One chunk's torch.save frame at byte ``at``, data copied in; returns its length."""
-    fake = placeholder(chunk.sizes, chunk.fill.dtype)
-    w = _HoleWriter(fd, at)
-    with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(fake, w)
-    nbytes = chunk.fill.nbytes
-    if nbytes:
-        holes = [start for start, n in w.holes if n == nbytes]
-        if len(holes) != 1:
-            raise AssertionError(f"torch.save left {len(holes)} holes of {nbytes} bytes for one tensor")
-        copier.fill(fd, at + holes[0], chunk.fill, progress)
-    return w.end
+    runs, data_at, length = tensor_frame(tuple(chunk.sizes), chunk.fill.dtype)
+    for pos, data in runs:
+        os.pwrite(fd, data, at + pos)
+    if chunk.fill.nbytes:
+        copier.fill(fd, at + data_at, chunk.fill, progress)
+    return length
 
 
-def _file_index(chunk: Chunk, paths: Dict[str, int]) -> int:
-    """Chunks go to the data file of their source file: the source's sharding is kept."""
-    srcs = chunk.fill.sources
-    return paths[srcs[0].ref.path] if srcs else 0
+Item = Any  # a Chunk, or (name, value) for a non-tensor entry
+
+
+def data_files(plan: DcpPlan) -> List[List[Item]]:
+    """What each data file ``__{i}_0.distcp`` holds, in order.
+
+    Chunks go to the file of their source (shard ``i`` -> file ``i``), so the
+    source's sharding is kept and files can be written independently;
+    non-tensor values and zero-filled chunks go to file 0. A tie's chunks
+    are listed once.
+    """
+    chunks: List[Chunk] = []
+    seen = set()
+    for e in plan.entries.values():
+        if isinstance(e, TensorEntry):
+            for c in e.chunks:
+                if id(c) not in seen:
+                    seen.add(id(c))
+                    chunks.append(c)
+    paths = sorted({c.fill.sources[0].ref.path for c in chunks if c.fill.sources})
+    index = {p: i for i, p in enumerate(paths)}
+    files: List[List[Item]] = [[] for _ in range(max(1, len(paths)))]
+    for name, e in plan.entries.items():
+        if not isinstance(e, TensorEntry):
+            files[0].append((name, e))
+    for c in chunks:
+        files[index[c.fill.sources[0].ref.path] if c.fill.sources else 0].append(c)
+    return files
+
+
+def write_data_file(path: str, items: List[Item], copier: Copier, progress: Optional[Progress] = None,
+                    hashes: Optional[Hashes] = None) -> List[Tuple[int, int]]:
+    """Write one data file, front to back; returns each item's (offset, length)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    watch = hashes.watch(path) if hashes else None
+    placed, end = [], 0
+    try:
+        for item in items:
+            if isinstance(item, Chunk):
+                length = _write_tensor_chunk(fd, end, item, copier, progress)
+            else:
+                buf = io.BytesIO()
+                torch.save(item[1], buf)
+                length = os.pwrite(fd, buf.getbuffer(), end)
+            placed.append((end, length))
+            end += length
+            if watch:
+                watch(end)
+    finally:
+        os.close(fd)
+    if hashes:
+        hashes.complete(path)
+    return placed
+
+
+def _write_data_file_job(job: Tuple[str, List[Item]]) -> List[Tuple[int, int]]:
+    with Copier() as copier:
+        return write_data_file(job[0], job[1], copier)
 
 
 def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None,
-              hashes: Optional[Hashes] = None) -> List[str]:
+              hashes: Optional[Hashes] = None, jobs: int = 1) -> List[str]:
     """Write a planned DCP checkpoint into the existing ``folder``; returns the names of the files written.
 
     Tied tensors (one Fill under two names) are stored once and named twice.
+    ``jobs`` > 1 writes the data files in that many local processes (same bytes).
     """
-    entries, mapping = plan.entries, plan.mapping
-    src_paths = sorted({c.fill.sources[0].ref.path for e in entries.values() if isinstance(e, TensorEntry)
-                        for c in e.chunks if c.fill.sources})
-    file_of = {p: i for i, p in enumerate(src_paths)}
-    n_files = max(1, len(src_paths))
-    names = [f"__{i}_0.distcp" for i in range(n_files)]
-    fds = [os.open(os.path.join(folder, n), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644) for n in names]
-    # Each data file is written front to back: what lies before its end is final.
-    watch = [hashes.watch(os.path.join(folder, n)) if hashes else (lambda n: None) for n in names]
-    ends = [0] * n_files
-    placed: Dict[int, Tuple[int, int, int]] = {}  # id(chunk) -> (file, offset, length)
+    files = data_files(plan)
+    names = [f"__{i}_0.distcp" for i in range(len(files))]
+    paths = [os.path.join(folder, n) for n in names]
+    if jobs > 1 and len(files) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_write_data_file_job, (p, items)) for p, items in zip(paths, files)]
+            placements = []
+            for f, items in zip(futures, files):
+                placements.append(f.result())
+                if progress:
+                    progress(sum(c.fill.nbytes for c in items if isinstance(c, Chunk)))
+    else:
+        placements = [write_data_file(p, items, copier, progress, hashes) for p, items in zip(paths, files)]
+    where: Dict[int, Any] = {}  # id(chunk) or entry name -> storage info
+    for name, items, placed in zip(names, files, placements):
+        for item, (at, length) in zip(items, placed):
+            where[id(item) if isinstance(item, Chunk) else item[0]] = _storage_info(name, at, length)
     sd_meta: Dict[str, Any] = {}
     storage: Dict[Any, Any] = {}
-    try:
-        for name, entry in entries.items():
-            if not isinstance(entry, TensorEntry):
-                buf = io.BytesIO()
-                torch.save(entry, buf)
-                os.pwrite(fds[0], buf.getbuffer(), ends[0])
-                storage[dmd.MetadataIndex(name)] = _storage_info(names[0], ends[0], len(buf.getbuffer()))
-                ends[0] += len(buf.getbuffer())
-                watch[0](ends[0])
-                sd_meta[name] = dmd.BytesStorageMetadata()
-                continue
-            fill, chunks = entry.fill, entry.chunks
-            for c in chunks:
-                if id(c) not in placed:
-                    i = _file_index(c, file_of)
-                    length = _write_tensor_chunk(fds[i], ends[i], c, copier, progress)
-                    placed[id(c)] = (i, ends[i], length)
-                    ends[i] += length
-                    watch[i](ends[i])
-                i, at, length = placed[id(c)]
-                storage[dmd.MetadataIndex(name, c.offsets)] = _storage_info(names[i], at, length)
-            sd_meta[name] = dmd.TensorStorageMetadata(
-                properties=dmd.TensorProperties(dtype=fill.dtype),
-                size=torch.Size(fill.shape),
-                chunks=[dmd.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in chunks],
-            )
-    finally:
-        for fd in fds:
-            os.close(fd)
-    meta = dmd.Metadata(state_dict_metadata=sd_meta, planner_data=mapping, storage_data=storage,
+    for name, e in plan.entries.items():
+        if not isinstance(e, TensorEntry):
+            storage[dmd.MetadataIndex(name)] = where[name]
+            sd_meta[name] = dmd.BytesStorageMetadata()
+            continue
+        for c in e.chunks:
+            storage[dmd.MetadataIndex(name, c.offsets)] = where[id(c)]
+        sd_meta[name] = dmd.TensorStorageMetadata(
+            properties=dmd.TensorProperties(dtype=e.fill.dtype),
+            size=torch.Size(e.fill.shape),
+            chunks=[dmd.ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in e.chunks],
+        )
+    meta = dmd.Metadata(state_dict_metadata=sd_meta, planner_data=plan.mapping, storage_data=storage,
                         storage_meta=dmd.StorageMeta(), version=DCP_VERSION)
     with open(os.path.join(folder, METADATA), "wb") as f:
         pickle.dump(meta, f)

@@ -9,11 +9,12 @@ hash re-reading the whole output at the end.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from typing import Callable, Optional
 
-BLOCK = 16 << 20
+BLOCK = 8 << 20
 
 Watermark = Callable[[int], None]  # "bytes [0, n) of the output are final"
 
@@ -32,6 +33,7 @@ class TrailingHash:
         self._error: Optional[BaseException] = None
         self._hash = hashlib.sha256()
         self._cond = threading.Condition()
+        self._fd = os.open(path, os.O_RDONLY)  # now: the file may be renamed while it is hashed
         self._thread = threading.Thread(target=self._run, name=f"sha256 {os.path.basename(path)}", daemon=True)
         self._thread.start()
 
@@ -52,6 +54,13 @@ class TrailingHash:
             raise AssertionError(f"{self.path}: hashed {self._done} of {size} bytes")
         return self._hash.hexdigest()
 
+    def complete(self, size: int) -> None:
+        """The writer is done: hash to ``size`` and let the thread end (its buffer goes with it)."""
+        self.advance(size)
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
     def _stop(self) -> None:
         with self._cond:
             self._closed = True
@@ -63,9 +72,12 @@ class TrailingHash:
         self._stop()
 
     def _run(self) -> None:
-        fd = -1
+        fd = self._fd
+        # One buffer, mapped and unmapped with the thread: fresh blocks per read made the
+        # thread's malloc arena grow with the output.
+        buf = mmap.mmap(-1, BLOCK)
+        view = memoryview(buf)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
             while True:
                 with self._cond:
                     while self._done >= self._mark and not self._closed:
@@ -74,16 +86,17 @@ class TrailingHash:
                     if self._done >= upto and self._closed:
                         return
                 while self._done < upto:
-                    block = os.pread(fd, min(BLOCK, upto - self._done), self._done)
-                    if not block:
+                    n = os.preadv(fd, [view[: min(BLOCK, upto - self._done)]], self._done)
+                    if not n:
                         raise OSError(f"{self.path}: shorter than {upto} bytes while hashing")
-                    self._hash.update(block)
-                    self._done += len(block)
+                    self._hash.update(view[:n])
+                    self._done += n
         except BaseException as e:  # reported by hexdigest
             self._error = e
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
+            view.release()
+            buf.close()
 
 
 class Hashes:
@@ -98,6 +111,12 @@ class Hashes:
         if key not in self._by_path:
             self._by_path[key] = TrailingHash(key)
         return self._by_path[key].advance
+
+    def complete(self, path: str) -> None:
+        """``path`` is written whole: its hash finishes in the background."""
+        h = self._by_path.get(os.path.abspath(path))
+        if h is not None:
+            h.complete(os.path.getsize(path))
 
     def moved(self, old: str, new: str) -> None:
         """``old`` was renamed to ``new`` (the hash reads an open file: it carries on)."""

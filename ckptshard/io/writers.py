@@ -129,6 +129,8 @@ def write_torch(
             copier.fill(fd, offset, fill, progress)
     finally:
         os.close(fd)
+    if hashes:
+        hashes.complete(path)
 
 
 def _safetensors_header(tensors: Mapping[str, Fill], metadata: Optional[Mapping[str, str]]) -> Tuple[bytes, Dict[str, int]]:
@@ -174,6 +176,8 @@ def write_safetensors(
             copier.fill(fd, len(head) + offsets[name], tensors[name], progress)
     finally:
         os.close(fd)
+    if hashes:
+        hashes.complete(path)
 
 
 def split_by_size(tensors: Mapping[str, Fill], max_bytes: int) -> List[List[str]]:

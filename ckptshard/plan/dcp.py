@@ -174,7 +174,18 @@ def container_extra(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
 def fairscale_to_dcp(
     ckpt: ShardedCheckpoint, weights: Mapping[str, Fill], optimizer: bool, rename: NameMap = lambda n: n
 ) -> Dict[str, Any]:
-    """The nested state dict to store: model weights (already selected, renamed and cast), optimizer, extra."""
+    """The nested state dict to store: model weights (already selected, renamed and cast), optimizer, extra.
+
+    Instances whose ranks each hold their own parameters
+    (``no_broadcast_optim_state``, e.g. MoE experts) are refused: a DCP name
+    has one value, and keeping rank 0's would drop the others silently.
+    """
+    per_rank = [p.prefix + i.path for p in ckpt.layout.parts for i in p.instances if i.no_broadcast_optim_state]
+    if per_rank and ckpt.world_size > 1:
+        raise CheckpointError(
+            f"{per_rank[0]}: each rank holds its own parameters (no_broadcast_optim_state, e.g. MoE experts): "
+            "DCP stores one value per name, so they cannot be converted"
+        )
     tree: Dict[str, Any] = {MODEL: dict(weights)}
     if optimizer:
         if ckpt.container.optimizer is None:
