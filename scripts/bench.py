@@ -109,6 +109,8 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     ck = [PY, "-m", "ckptshard.cli"]
     cases: List[Tuple[str, List[str]]] = [
         ("cp -r", ["cp", "-r", src, out]),
+        # The floor under every ckptshard row: starting Python and importing torch.
+        ("python -c 'import torch' (floor)", [PY, "-c", "import torch"]),
         # ckptshard fsyncs what it writes; cp -r leaves that to the (untimed) next sync.
         ("cp -r && sync (durable, like ckptshard)", ["sh", "-c", f"cp -r '{src}' '{out}' && sync"]),
         ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
