@@ -4,20 +4,36 @@ import os
 
 import pytest
 
-from ckptshard.io.hashing import Hashes, TrailingHash
+from ckptshard.io.hashing import MAX_AHEAD, Hashes
 
 
 def test_trailing_hash_equals_sha256_of_the_finished_file(tmp_path):
     path = tmp_path / "f"
-    data = os.urandom(3 * (16 << 20) + 12345)
+    data = os.urandom(3 * (8 << 20) + 12345)
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    h = TrailingHash(str(path))
-    os.ftruncate(fd, len(data))
-    for start in range(0, len(data), 5_000_000):  # written front to back, announced as it goes
-        h.advance(start)
-        os.pwrite(fd, data[start:start + 5_000_000], start)
-    os.close(fd)
-    assert h.hexdigest(len(data)) == hashlib.sha256(data).hexdigest()
+    with Hashes() as hashes:
+        advance = hashes.watch(str(path))
+        os.ftruncate(fd, len(data))
+        for start in range(0, len(data), 5_000_000):  # written front to back, announced as it goes
+            advance(start)
+            os.pwrite(fd, data[start:start + 5_000_000], start)
+        os.close(fd)
+        assert hashes.digest(str(path)) == hashlib.sha256(data).hexdigest()
+
+
+def test_many_outputs_one_after_another(tmp_path):
+    want = {}
+    with Hashes() as hashes:
+        for i in range(3 * MAX_AHEAD):  # more files than the hash may lag behind
+            p = tmp_path / f"f{i}"
+            data = os.urandom(100_000 + i)
+            p.write_bytes(b"")
+            advance = hashes.watch(str(p))
+            p.write_bytes(data)
+            advance(len(data) // 2)
+            hashes.complete(str(p))
+            want[p] = hashlib.sha256(data).hexdigest()
+        assert {p: hashes.digest(str(p)) for p in want} == want
 
 
 def test_hashes_follow_a_rename_and_report_unwatched_files_as_none(tmp_path):
@@ -34,10 +50,10 @@ def test_hashes_follow_a_rename_and_report_unwatched_files_as_none(tmp_path):
 def test_a_file_shorter_than_announced_is_an_error(tmp_path):
     path = tmp_path / "short"
     path.write_bytes(b"abc")
-    h = TrailingHash(str(path))
-    with pytest.raises(OSError, match="shorter"):
-        h.hexdigest(10)
-
+    with Hashes() as hashes:
+        hashes.watch(str(path))(10)
+        with pytest.raises(OSError, match="shorter"):
+            hashes.digest(str(path))
 
 def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refused():
     import resource

@@ -1,137 +1,124 @@
-"""SHA-256 of an output while it is being written.
+"""SHA-256 of outputs while they are being written.
 
-Writers fill every output front to back: once bytes ``[0, n)`` are final
-they say so (``advance(n)``), and a thread trailing them hashes that span
-from the page cache. Copying (``copy_file_range``, in the kernel) and
-hashing (``hashlib``, which releases the GIL) then overlap instead of the
-hash re-reading the whole output at the end.
+Writers fill every output front to back, one file after another: once bytes
+``[0, n)`` of a file are final they say so (``advance(n)``), and one thread
+trailing them hashes that span from the page cache. Copying
+(``copy_file_range``, in the kernel) and hashing (``hashlib``, which
+releases the GIL) then overlap instead of the hash re-reading every output
+at the end.
+
+Memory and open files stay bounded whatever the number of outputs: one
+thread and one mapped buffer per run, and a writer that gets more than
+``MAX_AHEAD`` complete files ahead of the hash waits for it to catch up.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import mmap
 import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, Deque, Dict, Optional
 
 BLOCK = 8 << 20
+MAX_AHEAD = 4
 
 Watermark = Callable[[int], None]  # "bytes [0, n) of the output are final"
 
 
-class TrailingHash:
-    """SHA-256 of ``path``, computed by a thread that trails the writer's watermark.
-
-    ``path`` must exist when this is made (the writer created it).
-    """
-
+class _File:
     def __init__(self, path: str) -> None:
         self.path = path
-        self._mark = 0
-        self._done = 0
-        self._closed = False
-        self._error: Optional[BaseException] = None
-        self._hash = hashlib.sha256()
-        self._cond = threading.Condition()
-        self._fd = os.open(path, os.O_RDONLY)  # now: the file may be renamed while it is hashed
-        self._thread = threading.Thread(target=self._run, name=f"sha256 {os.path.basename(path)}", daemon=True)
-        self._thread.start()
-
-    def advance(self, upto: int) -> None:
-        """Bytes ``[0, upto)`` will not change any more."""
-        with self._cond:
-            if upto > self._mark:
-                self._mark = upto
-                self._cond.notify()
-
-    def hexdigest(self, size: int) -> str:
-        """The digest of the whole file, ``size`` bytes long, once written."""
-        self.advance(size)
-        self._stop()
-        if self._error is not None:
-            raise self._error
-        if self._done != size:
-            raise AssertionError(f"{self.path}: hashed {self._done} of {size} bytes")
-        return self._hash.hexdigest()
-
-    def complete(self, size: int) -> None:
-        """The writer is done: hash to ``size`` and let the thread end (its buffer goes with it)."""
-        self.advance(size)
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _stop(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join()
-
-    def close(self) -> None:
-        """Stop without a digest (the write failed)."""
-        self._stop()
-
-    def _run(self) -> None:
-        fd = self._fd
-        # One buffer, mapped and unmapped with the thread: fresh blocks per read made the
-        # thread's malloc arena grow with the output.
-        buf = mmap.mmap(-1, BLOCK)
-        view = memoryview(buf)
-        try:
-            while True:
-                with self._cond:
-                    while self._done >= self._mark and not self._closed:
-                        self._cond.wait()
-                    upto = self._mark
-                    if self._done >= upto and self._closed:
-                        return
-                while self._done < upto:
-                    n = os.preadv(fd, [view[: min(BLOCK, upto - self._done)]], self._done)
-                    if not n:
-                        raise OSError(f"{self.path}: shorter than {upto} bytes while hashing")
-                    self._hash.update(view[:n])
-                    self._done += n
-        except BaseException as e:  # reported by hexdigest
-            self._error = e
-        finally:
-            os.close(fd)
-            view.release()
-            buf.close()
+        self.fd = os.open(path, os.O_RDONLY)  # now: the file may be renamed while it is hashed
+        self.mark = 0
+        self.done = 0
+        self.complete = False
+        self.hash = hashlib.sha256()
+        self.digest: Optional[str] = None
+        self.error: Optional[BaseException] = None
 
 
 class Hashes:
-    """The trailing hashes of one run's outputs, by path."""
+    """The trailing hashes of one run's outputs, by path, computed by one thread in the order watched."""
 
     def __init__(self) -> None:
-        self._by_path: "dict[str, TrailingHash]" = {}
+        self._cond = threading.Condition()
+        self._queue: Deque[_File] = collections.deque()  # watched, not yet hashed whole
+        self._by_path: Dict[str, _File] = {}
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
 
     def watch(self, path: str) -> Watermark:
-        """Start hashing ``path`` as it is written; returns its ``advance``."""
+        """Start hashing ``path`` (which exists) as it is written; returns its ``advance``."""
         key = os.path.abspath(path)
-        if key not in self._by_path:
-            self._by_path[key] = TrailingHash(key)
-        return self._by_path[key].advance
+        with self._cond:
+            # Bounded lag: wait while many complete files are still to hash (never for one in progress).
+            while sum(f.complete for f in self._queue) >= MAX_AHEAD and self._queue[0].complete:
+                self._cond.wait()
+            if key not in self._by_path:
+                f = _File(key)
+                self._by_path[key] = f
+                self._queue.append(f)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="ckptshard sha256", daemon=True)
+                    self._thread.start()
+                self._cond.notify_all()
+            f = self._by_path[key]
+
+        def advance(upto: int) -> None:
+            with self._cond:
+                if upto > f.mark:
+                    f.mark = upto
+                    self._cond.notify_all()
+
+        return advance
 
     def complete(self, path: str) -> None:
-        """``path`` is written whole: its hash finishes in the background."""
-        h = self._by_path.get(os.path.abspath(path))
-        if h is not None:
-            h.complete(os.path.getsize(path))
+        """``path`` is written whole: the thread finishes its hash and moves on."""
+        key = os.path.abspath(path)
+        with self._cond:
+            f = self._by_path.get(key)
+            if f is not None:
+                f.mark = max(f.mark, os.path.getsize(key))
+                f.complete = True
+                self._cond.notify_all()
 
     def moved(self, old: str, new: str) -> None:
         """``old`` was renamed to ``new`` (the hash reads an open file: it carries on)."""
-        h = self._by_path.pop(os.path.abspath(old), None)
-        if h is not None:
-            self._by_path[os.path.abspath(new)] = h
+        with self._cond:
+            f = self._by_path.pop(os.path.abspath(old), None)
+            if f is not None:
+                self._by_path[os.path.abspath(new)] = f
 
     def digest(self, path: str) -> Optional[str]:
         """SHA-256 of the finished ``path``, or None where it was not watched."""
-        h = self._by_path.pop(os.path.abspath(path), None)
-        return None if h is None else h.hexdigest(os.path.getsize(path))
+        key = os.path.abspath(path)
+        with self._cond:
+            f = self._by_path.get(key)
+        if f is None:
+            return None
+        self.complete(key)
+        with self._cond:
+            if any(not g.complete for g in self._queue if g is not f) and f in self._queue:
+                before = list(self._queue)[: list(self._queue).index(f)]
+                if any(not g.complete for g in before):
+                    raise AssertionError(f"{key}: digest asked while an earlier output is still being written")
+            while f.digest is None and f.error is None:
+                self._cond.wait()
+            self._by_path.pop(key, None)
+        if f.error is not None:
+            raise f.error
+        return f.digest
 
     def close(self) -> None:
-        for h in self._by_path.values():
-            h.close()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        for f in list(self._queue):
+            os.close(f.fd)
+        self._queue.clear()
         self._by_path.clear()
 
     def __enter__(self) -> "Hashes":
@@ -139,3 +126,37 @@ class Hashes:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _run(self) -> None:
+        buf = mmap.mmap(-1, BLOCK)  # one buffer for the run: fresh blocks made malloc arenas grow
+        view = memoryview(buf)
+        try:
+            while True:
+                with self._cond:
+                    while not self._closed and (not self._queue or self._queue[0].done >= self._queue[0].mark
+                                                and not self._queue[0].complete):
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    f = self._queue[0]
+                    upto = f.mark
+                if f.done < upto:
+                    try:
+                        while f.done < upto:
+                            n = os.preadv(f.fd, [view[: min(BLOCK, upto - f.done)]], f.done)
+                            if not n:
+                                raise OSError(f"{f.path}: shorter than {upto} bytes while hashing")
+                            f.hash.update(view[:n])
+                            f.done += n
+                    except OSError as e:
+                        f.error = e
+                with self._cond:
+                    if f.error is not None or (f.complete and f.done >= f.mark):
+                        if f.error is None:
+                            f.digest = f.hash.hexdigest()
+                        os.close(f.fd)
+                        self._queue.popleft()
+                        self._cond.notify_all()
+        finally:
+            view.release()
+            buf.close()
