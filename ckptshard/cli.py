@@ -57,6 +57,16 @@ common_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar
 common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 
 
+def reshape_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--select, --strip-prefix, --rename: the naming options of every full-state output."""
+    f = click.option("--rename", multiple=True, metavar="FROM=TO",
+                     help="Replace FROM by TO in names, in order (repeatable).")(f)
+    f = click.option("--strip-prefix", multiple=True,
+                     help="Remove this prefix from names (repeatable; the first that matches).")(f)
+    return click.option("--select", multiple=True,
+                        help="Keep only tensors whose name starts with this prefix, e.g. 'trunk.' (repeatable).")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptshard")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
@@ -94,9 +104,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option("--optimizer", is_flag=True, help="Also write the full optimizer state (fairscale's gather_full_optim_state_dict format): inside the container, or beside OUT as OUT.optim.pt.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Cast floating-point tensors (integers such as num_batches_tracked are kept).")
-@click.option("--select", multiple=True, help="Keep only tensors whose name starts with this prefix, e.g. 'trunk.' (repeatable).")
-@click.option("--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches).")
-@click.option("--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable).")
+@reshape_options
 @common_overwrite
 @common_trust
 @common_quiet
@@ -176,9 +184,7 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 @click.option("--max-shard-size", default=None, help="safetensors: a folder of index-sharded files of at most this size (e.g. 5GB).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).")
-@click.option("--select", multiple=True, help="Keep only tensors whose name starts with this prefix (repeatable).")
-@click.option("--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches).")
-@click.option("--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable).")
+@reshape_options
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="--to dcp or fairscale: write the output's files in this many local processes (same bytes).")
 @common_overwrite

@@ -290,3 +290,20 @@ def test_jobs_write_the_same_bytes(fixtures, tmp_path):
     convert(src_of(fixtures[3], "metaseq"), str(tmp_path / "one"), "dcp", progress=False)
     convert(src_of(fixtures[3], "metaseq"), str(tmp_path / "two"), "dcp", jobs=2, progress=False)
     assert _md5s(tmp_path / "one") == _md5s(tmp_path / "two")
+
+
+def test_cli_round_trip(fixtures, tmp_path):
+    from safetensors.torch import load_file
+
+    src = src_of(fixtures[2], "vissl")
+    res = _cli("convert", src, "--to", "dcp", "-o", str(tmp_path / "c.dcp"), "-q")
+    assert res.returncode == 0 and "34 tensors" in res.stdout, res.stderr
+    res = _cli("convert", str(tmp_path / "c.dcp"), "--to", "safetensors", "-o", str(tmp_path / "t.safetensors"),
+               "--select", "model.trunk.", "--strip-prefix", "model.trunk.", "--dtype", "fp16", "-q")
+    assert res.returncode == 0, res.stderr
+    got = load_file(tmp_path / "t.safetensors")
+    ref = load_ref(fixtures[2], "full_state_dict.pt")
+    assert set(got) == {k[len("trunk."):] for k in ref if k.startswith("trunk.")}
+    assert torch.equal(got["blocks.0.fc.weight"], ref["trunk.blocks.0.fc.weight"].half())
+    assert got["stem_bn.num_batches_tracked"].dtype == torch.int64
+    assert _cli("verify", str(tmp_path / "t.safetensors")).returncode == 0

@@ -195,7 +195,7 @@ def fairscale_to_dcp(
     return tree
 
 
-def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any], prefix_map: NameMap = lambda n: n) -> Dict[str, Any]:
+def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) -> Dict[str, Any]:
     """fairscale's full optimizer format (``gather_full_optim_state_dict``) from an FSDP2-style one.
 
     ``optim`` is keyed by parameter name (as :func:`fsdp2_optimizer` writes,
@@ -214,10 +214,10 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any], 
     gid = 0
     for lid, (part, inst, fp) in enumerate(ckpt.layout.flat_params()):
         for m in fp.members:
-            name = prefix_map(part.prefix + inst.logical_name(m.name))
-            entry = optim["state"].get(name) if name is not None else None
+            name = part.prefix + inst.logical_name(m.name)
+            entry = optim["state"].get(name)
             if entry is None:
-                missing.append(str(name))
+                missing.append(name)
             else:
                 state[gid] = dict(entry)
             id_map[gid] = lid
