@@ -307,3 +307,9 @@ def test_cli_round_trip(fixtures, tmp_path):
     assert torch.equal(got["blocks.0.fc.weight"], ref["trunk.blocks.0.fc.weight"].half())
     assert got["stem_bn.num_batches_tracked"].dtype == torch.int64
     assert _cli("verify", str(tmp_path / "t.safetensors")).returncode == 0
+
+
+def test_no_optimizer_leaves_the_optimizer_out_of_a_torch_output(fsdp2_runs, tmp_path):
+    convert(str(fsdp2_runs["dcp"]["mixed3"]), str(tmp_path / "m.pt"), "torch", optimizer=False, progress=False)
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert sorted(got) == ["extra", "model"]

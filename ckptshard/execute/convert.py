@@ -145,12 +145,13 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
                                  select, strip_prefix, renames, dtype, inputs, jobs)
     fmt = _check_format(out, to, max_shard_size)
     check_output(out, overwrite, inputs)
+    whole = d.tree if optimizer else {k: v for k, v in d.tree.items() if k != OPTIM}
     reshaping = bool(select or strip_prefix or renames or dtype)
     if fmt == "torch" and not reshaping:
-        tree: Any = d.tree  # everything, nested: what format_utils.dcp_to_torch_save writes
-        count = sum(1 for v in flat_tensors(d.tree, True, src).values() if is_tensor(v))
+        tree: Any = whole  # everything, nested: what format_utils.dcp_to_torch_save writes
+        count = sum(1 for v in flat_tensors(whole, True, src).values() if is_tensor(v))
     else:
-        tensors = flat_tensors(_selected(d.tree, select) if select else d.tree, False, src)
+        tensors = flat_tensors(_selected(whole, select) if select else whole, False, src)
         tree = transform(tensors, select, strip_prefix, renames, DTYPES.get(dtype or ""))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
