@@ -13,6 +13,7 @@ from fairscale.nn import FullyShardedDataParallel as FSDP
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
+from ckptshard.execute.convert import convert
 from ckptshard.execute.reshard import reshard
 from conftest import load_ref
 
@@ -126,6 +127,8 @@ def test_mutated_checkpoint(fixtures, tmp_path, case):
         assert list(out_dir.iterdir()) == [], f"{kind}: files left after an error"
         with pytest.raises(CheckpointError):  # reshard refuses the same input
             reshard(str(src), str(out_dir / "r"), 2, progress=False)
+        with pytest.raises(CheckpointError):  # and so does convert --to dcp
+            convert(str(src), str(out_dir / "d"), "dcp", progress=False)
         assert list(out_dir.iterdir()) == [], f"{kind}: files left after an error"
         return
     got = torch.load(out, weights_only=True)
@@ -135,3 +138,71 @@ def test_mutated_checkpoint(fixtures, tmp_path, case):
     reshard(str(src), str(out_dir / "r"), 2, progress=False)
     consolidate(str(out_dir / "r"), str(out_dir / "again.pt"), progress=False)
     assert equal(torch.load(out_dir / "again.pt", weights_only=True), got), f"{kind}: reshard differs"
+    # convert --to dcp accepts it too, and the DCP holds the same weights.
+    convert(str(src), str(out_dir / "d"), "dcp", progress=False)
+    convert(str(out_dir / "d"), str(out_dir / "d.pt"), "torch", select=["model."], strip_prefix=["model."],
+            progress=False)
+    assert equal(torch.load(out_dir / "d.pt", weights_only=True), got), f"{kind}: DCP differs"
+
+
+DCP_CASES = 60
+
+
+def _torch_reads_dcp(folder, tmp_path):
+    """What torch's own dcp_to_torch_save reads from the (mutated) folder; None if it refuses."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    try:
+        dcp_to_torch_save(str(folder), str(tmp_path / "theirs.pt"))
+        return torch.load(tmp_path / "theirs.pt", weights_only=False)["model"]
+    except Exception:
+        return None
+
+
+def _mutate_dcp(rng, folder):
+    import pickle
+
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(".distcp"))
+    kind = rng.choice(["bytes", "bytes", "metadata_bytes", "delete_file", "drop_chunk", "resize_chunk", "dtype"])
+    if kind == "bytes":
+        mutate_bytes(rng, rng.choice(files))
+    elif kind == "metadata_bytes":
+        mutate_bytes(rng, folder / ".metadata")
+    elif kind == "delete_file":
+        rng.choice(files).unlink()
+    else:
+        with open(folder / ".metadata", "rb") as f:
+            md = pickle.load(f)
+        name = rng.choice(sorted(k for k, v in md.state_dict_metadata.items()
+                                 if k.startswith("model.") and getattr(v, "chunks", None)))
+        tmd = md.state_dict_metadata[name]
+        if kind == "drop_chunk":
+            tmd.chunks.pop(rng.randrange(len(tmd.chunks)))
+        elif kind == "resize_chunk":
+            c = rng.choice(tmd.chunks)
+            if len(c.sizes):
+                c.sizes = torch.Size([c.sizes[0] + 1, *c.sizes[1:]])
+        else:
+            tmd.properties.dtype = torch.float64
+        with open(folder / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+    return kind
+
+
+@pytest.mark.parametrize("case", range(DCP_CASES))
+def test_mutated_dcp(fixtures, tmp_path, case):
+    """A damaged DCP folder: convert fails cleanly, or writes exactly what torch's own reader reads."""
+    rng = random.Random(10_000 + case)
+    src = tmp_path / "src.dcp"
+    convert(str(fixtures[WS] / "fairseq"), str(src), "dcp", progress=False)
+    kind = _mutate_dcp(rng, src)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    try:
+        convert(str(src), str(out_dir / "m.pt"), "torch", select=["model."], strip_prefix=["model."], progress=False)
+    except CheckpointError as e:
+        assert str(e) and "\n" not in str(e)
+        assert list(out_dir.iterdir()) == [], f"{kind}: files left after an error"
+        return
+    theirs = _torch_reads_dcp(src, tmp_path)
+    assert equal(torch.load(out_dir / "m.pt", weights_only=True), theirs), f"{kind}: differs from torch's reading"
