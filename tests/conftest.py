@@ -128,10 +128,11 @@ def fsdp2_runs(fixtures, next_step_fixture, tmp_path_factory):
     """Fixtures converted to DCP by ckptshard, loaded into torch FSDP2 at world sizes 1-3.
 
     Returns ``{"dcp": {name: folder}, "loaded": {(name, ws): result file}, "saved": folder}``;
-    ``saved`` is the mixed-ws3 checkpoint as FSDP2 at world size 2 re-saved it with ``dcp.save``.
+    ``saved`` is the mixed-ws3 checkpoint as FSDP2 at world size 2 re-saved it with ``dcp.save``;
+    ``dtensors`` a DCP torch wrote from DTensors sharded along dims 0 and 1 on 3 ranks.
     """
     from ckptshard.execute.convert import convert
-    from ckptshard.testing.fsdp2 import load_in_fsdp2
+    from ckptshard.testing.fsdp2 import load_in_fsdp2, save_sharded_dcp
     from ckptshard.testing.fixtures import STEPS
 
     root = tmp_path_factory.mktemp("fsdp2")
@@ -152,4 +153,5 @@ def fsdp2_runs(fixtures, next_step_fixture, tmp_path_factory):
                 job["save"] = str(root / "saved-by-fsdp2.dcp")
             jobs.append(job)
         load_in_fsdp2(ws, jobs)
-    return {"dcp": dcps, "loaded": loaded, "saved": root / "saved-by-fsdp2.dcp"}
+    save_sharded_dcp(3, str(root / "dtensors.dcp"))
+    return {"dcp": dcps, "loaded": loaded, "saved": root / "saved-by-fsdp2.dcp", "dtensors": root / "dtensors.dcp"}
