@@ -45,6 +45,9 @@ def _storage_info(relative_path: str, offset: int, length: int) -> Any:
     return _StorageInfo(relative_path, offset, length)
 
 
+# ---------------------------------------------------------------- writing
+
+
 class _FrameRecorder(io.RawIOBase):
     """A seekable sink that keeps what torch.save writes, as (position, bytes) runs.
 
@@ -101,38 +104,6 @@ def tensor_frame(sizes: Tuple[int, ...], dtype: torch.dtype) -> Tuple[Tuple[Tupl
         raise AssertionError(f"torch.save left {len(holes)} holes of {nbytes} bytes for one tensor")
     data_at = holes[0] if nbytes else rec.end
     return tuple((at, bytes(b)) for at, b in rec.runs), data_at, rec.end
-
-
-class _Slice(io.RawIOBase):
-    """A read-only, seekable window ``[offset, offset + length)`` of an open file."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
-        data = os.pread(self.fd, n, self.offset + self.pos) if n else b""
-        b[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = base + offset
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-# ---------------------------------------------------------------- writing
 
 
 def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress]) -> int:
@@ -254,6 +225,35 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
 
 
 # ---------------------------------------------------------------- reading
+
+class _Slice(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of an open file."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.offset + self.pos) if n else b""
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
 
 _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", n)
