@@ -46,3 +46,18 @@ def test_torchrun_error_on_one_rank_fails_every_rank_promptly(fixtures, tmp_path
     assert res.returncode != 0
     assert res.stderr.count("exists; pass --overwrite") == 2  # both ranks, each from its own check
     assert list((tmp_path / "taken").iterdir()) == []
+
+
+def test_torchrun_dcp_equals_single_process(fixtures, tmp_path):
+    from ckptshard.execute.convert import convert
+
+    src = str(fixtures[3] / "vissl" / "model_phase2.torch")
+    convert(src, str(tmp_path / "one"), "dcp", progress=False)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "ckptshard.cli", "convert", src, "--to", "dcp", "-o", str(tmp_path / "dist"), "-q"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("wrote ") == 1  # rank 0 reports
+    assert len(same_files(tmp_path / "one", tmp_path / "dist")) == 5  # 3 data files, .metadata, manifest
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left

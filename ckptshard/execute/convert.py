@@ -13,7 +13,16 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
-from ..io.dcp import DcpCheckpoint, is_dcp, open_dcp, write_dcp
+from ..io.dcp import (
+    DcpCheckpoint,
+    data_file_names,
+    data_files,
+    is_dcp,
+    open_dcp,
+    write_data_file,
+    write_dcp,
+    write_metadata,
+)
 from ..io.fill import Copier, is_tensor
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
@@ -41,6 +50,7 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
+from .parallel import run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -115,17 +125,39 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
                       select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
                       dtype: Optional[str], jobs: int) -> ConvertResult:
     ckpt = open_checkpoint(src, trust_pickles)
-    check_output(out, overwrite, tuple(ckpt.files.paths))
+    run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths)))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
     plan = plan_dcp(tree)
+    world = torchrun_world()
+    if world is not None:
+        _dcp_across_ranks(plan, out, overwrite, source_info(ckpt), *world)
+        return ConvertResult([out], len(weights), plan.nbytes)
     check_space(out, plan.nbytes)
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
             names = write_dcp(tmp, plan, copier, tick, hashes, jobs)
             write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", hashes))
     return ConvertResult([out], len(weights), plan.nbytes)
+
+
+def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, Any], rank: int, world: int) -> None:
+    """Under torchrun: rank r writes data files r, r + world, ...; rank 0 writes .metadata and the manifest."""
+    files = data_files(plan)
+    names = data_file_names(files)
+
+    def share(folder: str) -> Dict[int, Any]:
+        with Copier() as copier:
+            return {i: write_data_file(os.path.join(folder, names[i]), files[i], copier)
+                    for i in range(rank, len(files), world)}
+
+    def finish(folder: str, shares: List[Dict[int, Any]]) -> None:
+        placed = {i: p for s in shares for i, p in s.items()}
+        written = write_metadata(folder, plan, files, [placed[i] for i in range(len(files))])
+        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, "convert"))
+
+    write_folder_across_ranks(out, overwrite, plan.nbytes, rank, world, share, finish)
 
 
 def _dcp_source_info(d: DcpCheckpoint) -> Dict[str, Any]:

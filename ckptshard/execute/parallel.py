@@ -73,6 +73,52 @@ def agree(error: Optional[str], payload: Any = None) -> List[Any]:
     return [p for _, p in got]
 
 
+def write_folder_across_ranks(dst: str, overwrite: bool, nbytes: int, rank: int, world: int,
+                              write_share: Callable[[str], Any], finish: Callable[[str, List[Any]], T]) -> T:
+    """The torchrun protocol for one output folder, shared by every command that writes one.
+
+    Rank 0 checks the space and makes the temporary folder; every rank learns
+    its name (or rank 0's error) and calls ``write_share(folder)``; every rank
+    reports how that went, and if any failed all raise and rank 0 removes the
+    folder; otherwise rank 0 calls ``finish(folder, every rank's result)``
+    (index, metadata, manifest) and renames the folder into place before any
+    rank returns. Returns ``finish``'s result on rank 0, None elsewhere.
+    """
+    import contextlib
+
+    import torch.distributed as dist
+
+    from ..io.atomic import atomic_output, check_space
+
+    init_torchrun()
+    ctx = atomic_output(dst, is_dir=True, overwrite=overwrite) if rank == 0 else contextlib.nullcontext()
+    out = None
+    with ctx as tmp:
+        error = None
+        if rank == 0:
+            try:
+                check_space(dst, nbytes)
+            except CheckpointError as e:
+                error = str(e)
+        folder = agree(error, tmp)[0]
+        failure: Optional[Exception] = None
+        result = None
+        try:
+            result = write_share(folder)
+        except Exception as e:
+            failure = e
+        try:  # every rank's share is complete, or rank 0 removes the folder
+            results = agree(None if failure is None else f"rank {rank}: {failure}", result)
+        except CheckpointError:
+            if failure is not None:
+                raise failure from None  # the failing rank keeps its own error
+            raise
+        if rank == 0:
+            out = finish(folder, results)
+    dist.barrier()  # the folder is in place before any rank reports success
+    return out  # type: ignore[return-value]
+
+
 def run_checked(check: Callable[[], T]) -> T:
     """Run an input/output check; under torchrun all ranks fail together if one does."""
     if torchrun_world() is None:

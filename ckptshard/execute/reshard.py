@@ -19,7 +19,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
 from .consolidate import source_info
-from .parallel import agree, init_torchrun, run_checked, torchrun_world, write_in_processes
+from .parallel import run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
 from .progress import progress_bar
 
 
@@ -86,38 +86,14 @@ def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], s
 
 def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names: List[str], dst: str, desc: str,
                        overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int) -> ReshardResult:
-    import contextlib
+    def share(folder: str) -> None:
+        with Copier() as copier:
+            for i in range(rank, len(trees), world):
+                write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles)
 
-    import torch.distributed as dist
-
-    init_torchrun()
-    ctx = atomic_output(dst, is_dir=True, overwrite=overwrite) if rank == 0 else contextlib.nullcontext()
-    with ctx as tmp:
-        # Rank 0 made the temporary folder; every rank learns its name, or rank 0's error.
-        error = None
-        if rank == 0:
-            try:
-                check_space(dst, total)
-            except CheckpointError as e:
-                error = str(e)
-        folder = agree(error, tmp)[0]
-        failure: Optional[Exception] = None
-        try:
-            with Copier() as copier:
-                for i in range(rank, len(trees), world):
-                    write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles)
-        except Exception as e:
-            failure = e
-        try:  # every rank's files are complete, or rank 0 removes the folder
-            agree(None if failure is None else f"rank {rank}: {failure}")
-        except CheckpointError:
-            if failure is not None:
-                raise failure from None  # the failing rank keeps its own error
-            raise
-        if rank == 0:
-            names = _finish_folder(template, folder, names, source, desc)
-    dist.barrier()  # the folder is in place before any rank reports success
-    return ReshardResult(dst, names, total)
+    written = write_folder_across_ranks(dst, overwrite, total, rank, world, share,
+                                        lambda folder, _: _finish_folder(template, folder, names, source, desc))
+    return ReshardResult(dst, written or names, total)
 
 
 def _check_world_size(world_size: int) -> None:

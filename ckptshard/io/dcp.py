@@ -176,6 +176,10 @@ def _write_data_file_job(job: Tuple[str, List[Item]]) -> List[Tuple[int, int]]:
         return write_data_file(job[0], job[1], copier)
 
 
+def data_file_names(files: List[List[Item]]) -> List[str]:
+    return [f"__{i}_0.distcp" for i in range(len(files))]
+
+
 def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None,
               hashes: Optional[Hashes] = None, jobs: int = 1) -> List[str]:
     """Write a planned DCP checkpoint into the existing ``folder``; returns the names of the files written.
@@ -184,8 +188,7 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
     ``jobs`` > 1 writes the data files in that many local processes (same bytes).
     """
     files = data_files(plan)
-    names = [f"__{i}_0.distcp" for i in range(len(files))]
-    paths = [os.path.join(folder, n) for n in names]
+    paths = [os.path.join(folder, n) for n in data_file_names(files)]
     if jobs > 1 and len(files) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -199,6 +202,12 @@ def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Pro
                     progress(sum(c.fill.nbytes for c in items if isinstance(c, Chunk)))
     else:
         placements = [write_data_file(p, items, copier, progress, hashes) for p, items in zip(paths, files)]
+    return write_metadata(folder, plan, files, placements)
+
+
+def write_metadata(folder: str, plan: DcpPlan, files: List[List[Item]], placements: List[List[Tuple[int, int]]]) -> List[str]:
+    """``.metadata`` once every data file is written: each item's (offset, length) per file."""
+    names = data_file_names(files)
     where: Dict[int, Any] = {}  # id(chunk) or entry name -> storage info
     for name, items, placed in zip(names, files, placements):
         for item, (at, length) in zip(items, placed):
