@@ -88,7 +88,8 @@ def main(ctx: click.Context, debug: bool) -> None:
 @click.pass_context
 def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) -> None:
     """Show what a sharded checkpoint holds: container, world size, FSDP
-    instances, parameters, buffers, padding, optimizer state. Reads no tensor data."""
+    instances, parameters, buffers, padding, optimizer state; for a DCP
+    folder, every entry with its dtype, shape and chunks. Reads no tensor data."""
     from .execute.inspect import format_summary, inspect_checkpoint
 
     summary = _run(ctx, lambda: inspect_checkpoint(src, trust_pickles))

@@ -334,3 +334,17 @@ def test_column_sharded_dtensors_read_like_torch_reads_them(fsdp2_runs, tmp_path
     for k in ("cols", "rows", "mid"):
         assert torch.equal(got[k], full[k]), k
     assert torch.equal(got["plain"], full["cols"].double())
+
+
+def test_inspect_reads_a_dcp_folder_from_its_metadata(fsdp2_runs):
+    import json
+
+    res = _cli("inspect", str(fsdp2_runs["saved"]), "--json")  # written by torch's own dcp.save
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    by_name = {t["name"]: t for t in s["tensors"]}
+    fc = by_name["model.trunk.blocks.0.fc.weight"]
+    assert fc["shape"] == [12, 12] and fc["dtype"] == "float32" and fc["chunks"] == 2  # FSDP2 at 2 ranks: Shard(0)
+    assert "optim.param_groups.0.lr" in s["values"]
+    text = _cli("inspect", str(fsdp2_runs["dcp"]["mixed3"])).stdout
+    assert "torch.distributed.checkpoint (DCP)" in text and "model.trunk.gate.scale  float32  (3,)" in text

@@ -84,12 +84,54 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
     }
 
 
+def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
+    """A DCP folder, from its ``.metadata`` alone: every entry, its dtype, shape and chunks."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..io.dcp import read_metadata
+
+    md = read_metadata(folder, trust_pickles)
+    tensors, values, total = [], [], 0
+    for name, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            nbytes = smd.size.numel() * torch.empty((), dtype=smd.properties.dtype).element_size()
+            total += nbytes
+            tensors.append({"name": name, "dtype": _dtype(smd.properties.dtype), "shape": list(smd.size),
+                            "chunks": len(smd.chunks), "bytes": nbytes})
+        else:
+            values.append(name)
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    return {"source": folder, "format": "dcp", "files": files, "tensor_bytes": total, "tensors": tensors,
+            "values": values}
+
+
 def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
+    from ..io.dcp import is_dcp
+
+    if is_dcp(src):
+        return summarize_dcp(src, trust_pickles)
     return summarize(open_checkpoint(src, trust_pickles))
 
 
+def _format_dcp(s: Dict[str, Any]) -> str:
+    lines = [
+        f"source      {s['source']}",
+        "format      torch.distributed.checkpoint (DCP)",
+        f"files       {len(s['files'])} data files",
+        f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
+        "",
+    ]
+    for t in s["tensors"]:
+        lines.append(f"  {t['name']}  {t['dtype']}  {tuple(t['shape'])}  {t['chunks']} chunk(s)")
+    for v in s["values"]:
+        lines.append(f"  {v}  (value)")
+    return "\n".join(lines)
+
+
 def format_summary(s: Dict[str, Any]) -> str:
-    """The human-readable form of :func:`summarize`."""
+    """The human-readable form of :func:`summarize` or :func:`summarize_dcp`."""
+    if s.get("format") == "dcp":
+        return _format_dcp(s)
     lines = [
         f"source      {s['source']}",
         f"container   {s['container']['kind']} ({', '.join(s['container']['parts'])})",
