@@ -37,11 +37,7 @@ from ..plan.dcp import (
     model_state,
     plan_dcp,
 )
-from ..plan.shard import (
-    check_full_against_plan,
-    sharded_from_full,
-    sharded_optimizer_from_full,
-)
+from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
 from .consolidate import (
     consolidate,
@@ -227,10 +223,7 @@ def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_siz
         extra = {k: v for k, v in template.optimizer_state(0).items() if k not in ("state", "param_groups")}
         full_optim.update(extra)
     check_output(out, overwrite, inputs + tuple(template.files.paths))
-    trees = []
-    for rank in range(world_size):
-        optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
-        trees.append(sharded_from_full(template, full, world_size, rank, optim))
+    trees = sharded_files(template, full, world_size, full_optim)
     source = {"dcp": _dcp_source_info(d), "like": source_info(template)}
     res = write_rank_files(template, trees, out, f"convert ->{world_size}", overwrite, progress, source, jobs)
     return ConvertResult([res.folder], len(full), res.nbytes)

@@ -17,7 +17,7 @@ from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
-from ..plan.shard import check_full_against_plan, sharded_from_full, sharded_optimizer_from_full
+from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
 from .parallel import run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
 from .progress import progress_bar
@@ -145,9 +145,6 @@ def shard(
         full_optim = load_lazy(optimizer, trust_pickles)
         inputs = inputs + (optimizer,)
     run_checked(lambda: check_output(dst, overwrite, inputs))
-    trees = []
-    for rank in range(world_size):
-        optim = None if full_optim is None else sharded_optimizer_from_full(template, full_optim, world_size, rank)
-        trees.append(sharded_from_full(template, refs, world_size, rank, optim))
+    trees = sharded_files(template, refs, world_size, full_optim)
     source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}
     return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)

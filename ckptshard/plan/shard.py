@@ -91,6 +91,17 @@ def sharded_from_full(
     return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
 
 
+def sharded_files(
+    ckpt: ShardedCheckpoint, full: Mapping[str, Tensorish], world_size: int, full_optim: Optional[Mapping[str, Any]] = None,
+) -> List[Any]:
+    """Every rank's file at ``world_size``: ``ckpt``'s wrapping, ``full``'s values, ``full_optim`` sharded alongside."""
+    return [
+        sharded_from_full(ckpt, full, world_size, rank,
+                          None if full_optim is None else sharded_optimizer_from_full(ckpt, full_optim, world_size, rank))
+        for rank in range(world_size)
+    ]
+
+
 def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
     """Rank ``rank``'s optimizer shard from fairscale's full format (``gather_full_optim_state_dict``).
 
