@@ -179,7 +179,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         tree: Any = whole  # everything, nested: what format_utils.dcp_to_torch_save writes
         count = sum(1 for v in flat_tensors(whole, True, src).values() if is_tensor(v))
     else:
-        tensors = flat_tensors(_selected(whole, select) if select else whole, False, src)
+        tensors = flat_tensors(whole, False, src, select)
         tree = transform(tensors, select, strip_prefix, renames, DTYPES.get(dtype or ""))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
@@ -190,14 +190,6 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         if os.path.isfile(out):
             write_file_manifest(out, source, "convert", hashes)
     return ConvertResult([out], count, total)
-
-
-def _selected(tree: Dict[str, Any], select: Sequence[str]) -> Dict[str, Any]:
-    """Only the flat entries under a selected prefix (non-tensors elsewhere do not matter)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(dict(tree))
-    return {k: v for k, v in flat.items() if any(k.startswith(p) for p in select)}
 
 
 def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_size: int, optimizer: bool,

@@ -20,7 +20,7 @@ gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError
 from ..io.fill import Fill, Source, as_fill, is_tensor, whole
@@ -232,10 +232,12 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     return {"state": state, "param_groups": [group], "param_id_map": id_map}
 
 
-def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str) -> Dict[str, Any]:
+def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str,
+                 select: Sequence[str] = ()) -> Dict[str, Any]:
     """DCP's flattened names (``model.trunk.x``, ``optim.state.trunk.x.exp_avg``) -> values.
 
-    Non-tensor values are refused by name unless ``keep_non_tensors``.
+    Only names under a ``select`` prefix, where given; non-tensor values
+    among them are refused by name unless ``keep_non_tensors``.
     """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -243,6 +245,8 @@ def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str) ->
     out: Dict[str, Any] = {}
     others = []
     for k, v in flat.items():
+        if select and not any(k.startswith(p) for p in select):
+            continue
         if is_tensor(v):
             out[k] = as_fill(v)
         elif keep_non_tensors:
