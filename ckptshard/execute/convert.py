@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
@@ -31,6 +31,7 @@ from ..io.writers import tree_nbytes
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
     OPTIM,
+    Chunk,
     fairscale_full_optimizer,
     fairscale_to_dcp,
     flat_tensors,
@@ -46,7 +47,7 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
-from .parallel import run_checked, torchrun_world, write_folder_across_ranks
+from .parallel import map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -133,9 +134,25 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     check_space(out, plan.nbytes)
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_dcp(tmp, plan, copier, tick, hashes, jobs)
+            if jobs > 1:
+                names = _dcp_in_processes(tmp, plan, jobs, tick)
+            else:
+                names = write_dcp(tmp, plan, copier, tick, hashes)
             write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", hashes))
     return ConvertResult([out], len(weights), plan.nbytes)
+
+
+def _write_data_file_job(job: Tuple[str, List[Any]]) -> List[Tuple[int, int]]:
+    with Copier() as copier:
+        return write_data_file(job[0], job[1], copier)
+
+
+def _dcp_in_processes(folder: str, plan: Any, jobs: int, tick: Any) -> List[str]:
+    """``--jobs``: the data files in local processes (the same bytes), then .metadata here."""
+    files = data_files(plan)
+    work = [(os.path.join(folder, n), items) for n, items in zip(data_file_names(files), files)]
+    done = (lambda job: tick(sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))) if tick else None
+    return write_metadata(folder, plan, files, map_in_processes(_write_data_file_job, work, jobs, done))
 
 
 def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, Any], rank: int, world: int) -> None:

@@ -30,16 +30,24 @@ def _write_one(job: Job, trust_pickles: bool) -> str:
     return path
 
 
-def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: Optional[Any] = None) -> List[str]:
-    """Write every job, ``n`` processes at a time (spawned: safe beside torch's threads)."""
+def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
+                     done: Optional[Callable[[Any], None]] = None, *args: Any) -> List[T]:
+    """``fn(job, *args)`` for every job, ``n`` processes at a time (spawned: safe beside torch's
+    threads); results in job order, ``done(job)`` after each (progress)."""
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_write_one, job, trust_pickles) for job in jobs]
+        futures = [pool.submit(fn, job, *args) for job in jobs]
         out = []
-        for f, (tree, _) in zip(futures, jobs):
+        for f, job in zip(futures, jobs):
             out.append(f.result())
-            if tick:
-                tick(tree_nbytes(tree))
+            if done:
+                done(job)
         return out
+
+
+def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: Optional[Any] = None) -> List[str]:
+    """Write every job, ``n`` processes at a time."""
+    return map_in_processes(_write_one, jobs, n, (lambda job: tick(tree_nbytes(job[0]))) if tick else None,
+                            trust_pickles)
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:

@@ -171,37 +171,19 @@ def write_data_file(path: str, items: List[Item], copier: Copier, progress: Opti
     return placed
 
 
-def _write_data_file_job(job: Tuple[str, List[Item]]) -> List[Tuple[int, int]]:
-    with Copier() as copier:
-        return write_data_file(job[0], job[1], copier)
-
-
 def data_file_names(files: List[List[Item]]) -> List[str]:
     return [f"__{i}_0.distcp" for i in range(len(files))]
 
 
 def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None,
-              hashes: Optional[Hashes] = None, jobs: int = 1) -> List[str]:
+              hashes: Optional[Hashes] = None) -> List[str]:
     """Write a planned DCP checkpoint into the existing ``folder``; returns the names of the files written.
 
     Tied tensors (one Fill under two names) are stored once and named twice.
-    ``jobs`` > 1 writes the data files in that many local processes (same bytes).
     """
     files = data_files(plan)
-    paths = [os.path.join(folder, n) for n in data_file_names(files)]
-    if jobs > 1 and len(files) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(_write_data_file_job, (p, items)) for p, items in zip(paths, files)]
-            placements = []
-            for f, items in zip(futures, files):
-                placements.append(f.result())
-                if progress:
-                    progress(sum(c.fill.nbytes for c in items if isinstance(c, Chunk)))
-    else:
-        placements = [write_data_file(p, items, copier, progress, hashes) for p, items in zip(paths, files)]
+    placements = [write_data_file(os.path.join(folder, n), items, copier, progress, hashes)
+                  for n, items in zip(data_file_names(files), files)]
     return write_metadata(folder, plan, files, placements)
 
 
