@@ -99,10 +99,9 @@ class Hashes:
             return None
         self.complete(key)
         with self._cond:
-            if any(not g.complete for g in self._queue if g is not f) and f in self._queue:
-                before = list(self._queue)[: list(self._queue).index(f)]
-                if any(not g.complete for g in before):
-                    raise AssertionError(f"{key}: digest asked while an earlier output is still being written")
+            queue = list(self._queue)  # hashed in order: an unfinished earlier output would block this one
+            if f in queue and not all(g.complete for g in queue[: queue.index(f)]):
+                raise AssertionError(f"{key}: digest asked while an earlier output is still being written")
             while f.digest is None and f.error is None:
                 self._cond.wait()
             self._by_path.pop(key, None)
