@@ -55,6 +55,47 @@ def test_a_file_shorter_than_announced_is_an_error(tmp_path):
         with pytest.raises(OSError, match="shorter"):
             hashes.digest(str(path))
 
+def test_every_hashed_span_is_queued_for_writeback_once(tmp_path, monkeypatch):
+    import ckptshard.io.hashing as hashing
+
+    spans = []
+    monkeypatch.setattr(hashing, "start_writeback", lambda fd, off, n: spans.append((off, n)))
+    path = tmp_path / "f"
+    data = os.urandom(2 * hashing.BLOCK + 4321)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, len(data))
+    with Hashes() as hashes:
+        advance = hashes.watch(str(path))
+        for start in range(0, len(data), 3_000_001):  # marks off page boundaries
+            os.pwrite(fd, data[start:start + 3_000_001], start)
+            advance(min(len(data), start + 3_000_001))
+        os.close(fd)
+        assert hashes.digest(str(path)) == hashlib.sha256(data).hexdigest()
+    spans.sort()
+    assert spans[0][0] == 0 and sum(n for _, n in spans) == len(data)
+    assert all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))  # contiguous, no overlap
+
+
+def test_start_writeback_takes_a_file_and_declines_a_pipe(tmp_path):
+    import sys
+
+    from ckptshard.io.writeback import start_writeback
+
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100_000)
+    fd = os.open(path, os.O_RDONLY)  # the hash thread's own read-only descriptor
+    try:
+        assert start_writeback(fd, 0, 100_000) is sys.platform.startswith("linux")
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        assert start_writeback(r, 0, 10) is False  # ESPIPE: left to the final fsync, no exception
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refused():
     import resource
 

@@ -7,6 +7,10 @@ trailing them hashes that span from the page cache. Copying
 releases the GIL) then overlap instead of the hash re-reading every output
 at the end.
 
+Once a span is hashed the thread also queues its writeback
+(:mod:`.writeback`): the disk writes during the copy instead of all at once
+when the output is closed and fsynced.
+
 Memory and open files stay bounded whatever the number of outputs: one
 thread and one mapped buffer per run, and a writer that gets more than
 ``MAX_AHEAD`` complete files ahead of the hash waits for it to catch up.
@@ -19,6 +23,8 @@ import mmap
 import os
 import threading
 from typing import Callable, Deque, Dict, Optional
+
+from .writeback import start_writeback
 
 BLOCK = 8 << 20
 MAX_AHEAD = 4
@@ -141,12 +147,7 @@ class Hashes:
                     upto = f.mark
                 if f.done < upto:
                     try:
-                        while f.done < upto:
-                            n = os.preadv(f.fd, [view[: min(BLOCK, upto - f.done)]], f.done)
-                            if not n:
-                                raise OSError(f"{f.path}: shorter than {upto} bytes while hashing")
-                            f.hash.update(view[:n])
-                            f.done += n
+                        _hash_span(f, upto, view)
                     except OSError as e:
                         f.error = e
                 with self._cond:
@@ -159,3 +160,14 @@ class Hashes:
         finally:
             view.release()
             buf.close()
+
+
+def _hash_span(f: _File, upto: int, view: memoryview) -> None:
+    """Hash ``f`` from ``f.done`` to ``upto``, queueing each hashed block's writeback."""
+    while f.done < upto:
+        n = os.preadv(f.fd, [view[: min(BLOCK, upto - f.done)]], f.done)
+        if not n:
+            raise OSError(f"{f.path}: shorter than {upto} bytes while hashing")
+        f.hash.update(view[:n])
+        start_writeback(f.fd, f.done, n)
+        f.done += n
