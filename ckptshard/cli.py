@@ -130,19 +130,21 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Write output files in this many local processes. Under torchrun, ranks share the files instead.")
+@click.option("--no-optimizer", is_flag=True,
+              help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).")
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, overwrite: bool, trust_pickles: bool,
-            quiet: bool) -> None:
+def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, no_optimizer: bool, overwrite: bool,
+            trust_pickles: bool, quiet: bool) -> None:
     """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
     exactly as FSDP at that world size would have saved them, in the same
     container and file naming."""
     from .execute.reshard import reshard as run
 
     res = _run(ctx, lambda: run(src, dst, world_size, overwrite=overwrite, trust_pickles=trust_pickles,
-                                progress=not quiet, jobs=jobs))
+                                progress=not quiet, jobs=jobs, optimizer=not no_optimizer))
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 

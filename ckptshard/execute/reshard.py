@@ -110,13 +110,17 @@ def reshard(
     trust_pickles: bool = False,
     progress: bool = True,
     jobs: int = 1,
+    optimizer: bool = True,
 ) -> ReshardResult:
-    """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``."""
+    """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
+
+    ``optimizer=False`` leaves the optimizer state out (weights, buffers and the rest of the container only).
+    """
     _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles)
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths)))
     # Plan every rank first: a bad input fails here, before any byte is written.
-    trees = [resharded_file(ckpt, world_size, r) for r in range(world_size)]
+    trees = [resharded_file(ckpt, world_size, r, optimizer) for r in range(world_size)]
     return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
                             source_info(ckpt), jobs)
 

@@ -7,7 +7,7 @@ from ..errors import CheckpointError
 from ..io.fill import Fill, Source, whole
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree, map_leaves, set_path
+from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..layout.model import metadata_of
 from .intervals import replica_source, reshard_pieces
 from .optimizer import resharded_optimizer
@@ -45,16 +45,21 @@ def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, r
     return out
 
 
-def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Any:
+def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int, optimizer: bool = True) -> Any:
     """The whole object rank ``rank``'s file holds at ``world_size``: container, weights, metadata, optimizer.
 
     Non-model keys are carried from the source rank the buffers come from.
+    Without ``optimizer`` the optimizer state is left out of the container
+    (its key removed), as frameworks save a model-only checkpoint.
     """
     own = replica_source(ckpt.world_size, world_size, rank)
     tree = copy_tree(ckpt.objs[own])
     for pi, spec in enumerate(ckpt.container.parts):
         set_path(tree, spec.weights, resharded_state(ckpt, pi, world_size, rank))
         set_path(tree, spec.metadata, metadata_of(ckpt.layout.parts[pi], world_size, rank))
-    if ckpt.container.optimizer is not None:
-        set_path(tree, ckpt.container.optimizer, resharded_optimizer(ckpt, world_size, rank))
+    path = ckpt.container.optimizer
+    if path is not None and optimizer:
+        set_path(tree, path, resharded_optimizer(ckpt, world_size, rank))
+    elif path is not None:
+        get_path(tree, path[:-1]).pop(path[-1])
     return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
