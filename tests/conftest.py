@@ -65,6 +65,12 @@ def half_fixture(cache_root: pathlib.Path) -> pathlib.Path:
     return _once(cache_root / "half-ws3", lambda d: build_fixture(d, 3, "half"))
 
 
+@pytest.fixture(scope="session")
+def frozen_fixture(cache_root: pathlib.Path) -> pathlib.Path:
+    """fp32 at world size 2 with the trunk frozen: the optimizer holds the head's 3 of 7 flat parameters."""
+    return _once(cache_root / "frozen-ws2", lambda d: build_fixture(d, 2, "frozen"))
+
+
 def src_of(folder: pathlib.Path, container: str) -> str:
     return source_path(str(folder), container)
 

@@ -101,7 +101,7 @@ def convert(
         if select or strip_prefix or renames or dtype or like:
             raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
         res = reshard(src, out, world_size or 1, overwrite=overwrite, trust_pickles=trust_pickles,
-                      progress=progress, jobs=jobs)
+                      progress=progress, jobs=jobs, optimizer=optimizer)
         return ConvertResult([res.folder], len(res.files), res.nbytes)
     _check_format(out, to, max_shard_size)
     res = consolidate(src, out, max_shard_size=max_shard_size, optimizer=False, overwrite=overwrite,
@@ -227,7 +227,9 @@ def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_siz
     if optimizer and template.container.optimizer is not None:
         new_name = name_mapper(select, strip_prefix, renames)
         by_new = {new_name(k): v for k, v in d.tree[OPTIM]["state"].items() if new_name(k) is not None}
-        full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": d.tree[OPTIM]["param_groups"]})
+        groups = [dict(g, params=[new_name(n) if isinstance(n, str) else n for n in g.get("params", [])])
+                  for g in d.tree[OPTIM]["param_groups"]]
+        full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": groups})
         # fairscale's other optimizer keys (e.g. fairseq's loss_scale) come from the template.
         extra = {k: v for k, v in template.optimizer_state(0).items() if k not in ("state", "param_groups")}
         full_optim.update(extra)

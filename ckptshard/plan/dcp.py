@@ -121,8 +121,8 @@ def fsdp2_optimizer(ckpt: ShardedCheckpoint, rename: NameMap = lambda n: n) -> D
     values such as ``step`` come from rank 0 and are shared by the members
     of one flat parameter. ``param_groups`` list parameter names.
     """
-    check_optimizer(ckpt)
-    M, flat = ckpt.world_size, ckpt.layout.flat_params()
+    flat = check_optimizer(ckpt, by_name=True)  # per optimizer id: frozen parameters have none
+    M = ckpt.world_size
     osds = [ckpt.optimizer_state(r) for r in range(M)]
     state: Dict[str, Dict[str, Any]] = {}
     names_of: Dict[int, List[str]] = {}
@@ -201,7 +201,9 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     ``optim`` is keyed by parameter name (as :func:`fsdp2_optimizer` writes,
     or ``get_optimizer_state_dict`` gives); the result numbers parameters
     in ``ckpt``'s flat order, so ``sharded_optimizer_from_full`` can cut it
-    for any world size. Every flattened parameter must have its state.
+    for any world size. Every parameter the optimizer lists must have its
+    state; a flat parameter it neither lists nor holds state for is frozen
+    and gets no optimizer id.
     """
     if not isinstance(optim, Mapping) or "state" not in optim or "param_groups" not in optim:
         raise CheckpointError("optimizer state lacks 'state' or 'param_groups'")
@@ -211,10 +213,16 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     state: Dict[int, Any] = {}
     id_map: Dict[int, Optional[int]] = {}
     missing: List[str] = []
-    gid = 0
-    for lid, (part, inst, fp) in enumerate(ckpt.layout.flat_params()):
-        for m in fp.members:
-            name = part.prefix + inst.logical_name(m.name)
+    listed = set(groups[0].get("params", []))
+    gid = lid = 0
+    for part, inst, fp in ckpt.layout.flat_params():
+        names = [part.prefix + inst.logical_name(m.name) for m in fp.members]
+        if not any(n in optim["state"] or n in listed for n in names):
+            # Frozen: not in the optimizer at all. Its members keep their global ids, with no entry.
+            id_map.update({gid + i: None for i in range(len(names))})
+            gid += len(names)
+            continue
+        for name in names:
             entry = optim["state"].get(name)
             if entry is None:
                 missing.append(name)
@@ -222,6 +230,7 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
                 state[gid] = dict(entry)
             id_map[gid] = lid
             gid += 1
+        lid += 1
     if missing:
         raise CheckpointError(
             f"optimizer state missing for {len(missing)} parameters: {', '.join(missing[:8])}"

@@ -4,10 +4,18 @@ FSDP optimizers hold one entry per flat parameter, numbered in the order
 the model's parameters are (the layout's flat-param order). Each entry's
 tensors of the flat shard's size (``exp_avg``, ``momentum_buffer``...) are
 sharded exactly like the flat parameter, padding included.
+
+An optimizer built over the trainable parameters only
+(``filter(lambda p: p.requires_grad, ...)``, e.g. a frozen trunk) numbers
+fewer entries than there are flat parameters, and nothing in the checkpoint
+says which were frozen. :func:`optimizer_params` recovers the mapping from
+the entries' shard sizes, in order; fairscale's own
+``gather_full_optim_state_dict`` assumes entry ``k`` is instance ``k`` and
+mislabels the state instead.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
 from ..io.fill import Fill, Source, whole
@@ -19,7 +27,10 @@ from .consolidate import member_sources
 from .intervals import replica_source, reshard_pieces
 
 
-def _entries(ckpt: ShardedCheckpoint) -> List[Tuple[Part, FsdpInstance, FlatParam]]:
+FlatEntry = Tuple[Part, FsdpInstance, FlatParam]
+
+
+def _entries(ckpt: ShardedCheckpoint) -> List[FlatEntry]:
     return ckpt.layout.flat_params()
 
 
@@ -27,9 +38,94 @@ def _entry_shape(osd: Mapping[str, Any]) -> Dict[Any, List[str]]:
     return {pid: sorted(map(str, e)) for pid, e in osd["state"].items()}
 
 
-def check_optimizer(ckpt: ShardedCheckpoint) -> None:
-    """Refuse optimizer state that does not fit the layout: parameter count, entry keys, sizes."""
+def _per_rank_numel(ckpt: ShardedCheckpoint, entry: FlatEntry) -> int:
+    _, inst, fp = entry
+    return fp.numel if inst.no_broadcast_optim_state else fp.shard_numel(ckpt.world_size)
+
+
+def _entry_numels(osd: Mapping[str, Any], pid: int) -> Set[int]:
+    """The sizes of entry ``pid``'s non-scalar tensors (empty: no tensor state, fits any parameter)."""
+    entry = osd["state"].get(pid, {})
+    return {v.numel for v in entry.values() if isinstance(v, TensorRef) and len(v.shape) > 0}
+
+
+def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], k: int) -> List[List[int]]:
+    """For each optimizer id, the flat parameters it can be in some in-order choice of ``k`` of them.
+
+    Id ``i`` may stand for flat parameter ``j`` when its tensors have ``j``'s
+    per-rank size, ids ``< i`` fit in order before ``j`` and ids ``> i`` after.
+    """
     flat = _entries(ckpt)
+    n = len(flat)
+    fits = [[not (_entry_numels(osd, i) - {_per_rank_numel(ckpt, flat[j])}) for j in range(n)] for i in range(k)]
+    # before[i][j]: ids 0..i fit in order with id i at j; after[i][j]: ids i..k-1 fit with id i at j.
+    before = [[False] * n for _ in range(k)]
+    after = [[False] * n for _ in range(k)]
+    for i in range(k):
+        seen = i == 0
+        for j in range(n):
+            before[i][j] = fits[i][j] and seen
+            seen = seen or (i > 0 and before[i - 1][j])
+    for i in reversed(range(k)):
+        seen = i == k - 1
+        for j in reversed(range(n)):
+            after[i][j] = fits[i][j] and seen
+            seen = seen or (i < k - 1 and after[i + 1][j])
+    return [[j for j in range(n) if before[i][j] and after[i][j]] for i in range(k)]
+
+
+def optimizer_params(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]:
+    """The index of the flat parameter each optimizer id stands for (list index = id).
+
+    All flat parameters: the identity. Fewer (frozen ones left out of the
+    optimizer): the in-order choice the state's sizes allow. Where several
+    choices fit, resharding only needs each id's size, which may still be
+    certain; ``by_name`` (consolidating, DCP: the state is named after the
+    parameter) needs the parameter itself. Either way, what cannot be told
+    is refused.
+    """
+    flat = _entries(ckpt)
+    where = f"{ckpt.files.paths[0]}: optimizer"
+    osd = ckpt.optimizer_state(0)
+    if not isinstance(osd, Mapping) or "state" not in osd or "param_groups" not in osd:
+        raise CheckpointError(f"{where}: not a torch optimizer state dict")
+    ids = [i for g in osd["param_groups"] for i in g.get("params", [])]
+    if sorted(ids) != list(range(len(ids))) or len(ids) > len(flat):
+        raise CheckpointError(
+            f"{where}: param_groups number {len(ids)} parameters, the model has {len(flat)} flat parameters"
+        )
+    if len(ids) == len(flat):
+        return list(range(len(flat)))
+    if not isinstance(osd["state"], Mapping) or not all(isinstance(e, Mapping) for e in osd["state"].values()):
+        raise CheckpointError(f"{where}: state is not a dict of per-parameter dicts")
+    frozen = len(flat) - len(ids)
+    cands = _candidates(ckpt, osd, len(ids))
+    if not all(cands):
+        raise CheckpointError(
+            f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters, but no in-order choice "
+            "of them has the sizes of its state: not this model's optimizer"
+        )
+    out: List[int] = []
+    for i, js in enumerate(cands):
+        shapes = {(flat[j][2].numel, flat[j][1].no_broadcast_optim_state) for j in js}
+        if len(js) > 1 and (by_name or len(shapes) > 1):
+            names = ", ".join(flat[j][0].prefix + flat[j][1].local_key(flat[j][2]) for j in js)
+            raise CheckpointError(
+                f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters ({frozen} frozen, "
+                f"not in the optimizer), and optimizer entry {i} fits several of them ({names}): "
+                + ("cannot tell which parameter its state belongs to (reshard, which needs only its size, can)"
+                   if len(shapes) == 1 else "cannot tell its size; reshard with --no-optimizer to leave it out")
+            )
+        out.append(js[0])
+    return out
+
+
+def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[FlatEntry]:
+    """Refuse optimizer state that does not fit the layout; return each id's flat parameter (index = id).
+
+    Checks the parameter count, each rank's entry keys and tensor sizes.
+    """
+    flat = [_entries(ckpt)[j] for j in optimizer_params(ckpt, by_name)]
     first = None
     for r in range(ckpt.world_size):
         osd = ckpt.optimizer_state(r)
@@ -39,7 +135,7 @@ def check_optimizer(ckpt: ShardedCheckpoint) -> None:
         ids = [i for g in osd["param_groups"] for i in g.get("params", [])]
         if sorted(ids) != list(range(len(flat))):
             raise CheckpointError(
-                f"{where}: param_groups number {len(ids)} parameters, the model has {len(flat)} flat parameters"
+                f"{where}: param_groups number {len(ids)} parameters, rank 0's number {len(flat)}"
             )
         if not isinstance(osd["state"], Mapping) or not all(isinstance(e, Mapping) for e in osd["state"].values()):
             raise CheckpointError(f"{where}: state is not a dict of per-parameter dicts")
@@ -51,7 +147,7 @@ def check_optimizer(ckpt: ShardedCheckpoint) -> None:
             if not isinstance(pid, int) or not 0 <= pid < len(flat):
                 raise CheckpointError(f"{where}: state entry {pid!r} names no parameter")
             part, inst, fp = flat[pid]
-            want = fp.numel if inst.no_broadcast_optim_state else fp.shard_numel(ckpt.world_size)
+            want = _per_rank_numel(ckpt, flat[pid])
             for k, v in entry.items():
                 if isinstance(v, TensorRef) and len(v.shape) > 0 and v.numel != want:
                     raise CheckpointError(
@@ -59,14 +155,15 @@ def check_optimizer(ckpt: ShardedCheckpoint) -> None:
                         f"{part.prefix}{inst.local_key(fp)} holds {want} per rank "
                         "(parameter order differs, or state of another shape)"
                     )
+    return flat
 
 
 def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Optional[Dict[str, Any]]:
     """Rank ``rank``'s optimizer state dict at ``world_size``, as a tree of Fills."""
     if ckpt.container.optimizer is None:
         return None
-    check_optimizer(ckpt)
-    M, flat = ckpt.world_size, _entries(ckpt)
+    flat = check_optimizer(ckpt)
+    M = ckpt.world_size
     same = world_size == M
     # Per-rank values (0-dim tensors) follow the weights' buffer rule.
     own = replica_source(M, world_size, rank)
@@ -113,15 +210,17 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     """
     if ckpt.container.optimizer is None:
         return None
-    check_optimizer(ckpt)
+    check_optimizer(ckpt, by_name=True)
     M, flat = ckpt.world_size, _entries(ckpt)
+    lid_of = {j: lid for lid, j in enumerate(optimizer_params(ckpt, by_name=True))}  # frozen: none
     osds = [ckpt.optimizer_state(r) for r in range(M)]
     out = copy_tree(osds[0])
     state: Dict[int, Dict[str, Any]] = {}
     param_id_map: Dict[int, Optional[int]] = {}
     gid = 0
-    for lid, (_, inst, fp) in enumerate(flat):
-        entry = osds[0]["state"].get(lid)
+    for j, (_, inst, fp) in enumerate(flat):
+        lid = lid_of.get(j)
+        entry = None if lid is None else osds[0]["state"].get(lid)
         for m in fp.members:
             param_id_map[gid] = lid if entry is not None else None
             if entry is not None:

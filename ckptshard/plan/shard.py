@@ -112,17 +112,23 @@ def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str
         if key not in full_optim:
             raise CheckpointError(f"full optimizer state lacks {key!r}: not fairscale's full format")
     flat = ckpt.layout.flat_params()
+    # Global ids number every flat parameter's members in order, frozen ones included.
+    flat_of_gid = [j for j, (_, _, fp) in enumerate(flat) for _ in fp.members]
     by_local: Dict[int, List[int]] = {}
     for gid, lid in full_optim["param_id_map"].items():
         if lid is not None:
             by_local.setdefault(int(lid), []).append(int(gid))
     out = {k: v for k, v in copy_tree(dict(full_optim)).items() if k not in ("param_id_map", "uncollected_local_ids")}
     state: Dict[int, Dict[str, Any]] = {}
+    identity = True
     for lid, gids in sorted(by_local.items()):
-        if lid >= len(flat):
-            raise CheckpointError(f"full optimizer state names flat parameter {lid}; the plan has {len(flat)}")
-        _, inst, fp = flat[lid]
         gids = sorted(gids)
+        js = {flat_of_gid[g] if 0 <= g < len(flat_of_gid) else None for g in gids}
+        if len(js) != 1 or None in js:
+            raise CheckpointError(f"optimizer entry {lid} covers parameters {gids}, not those of one flat parameter")
+        j = js.pop()
+        identity = identity and j == lid
+        _, inst, fp = flat[j]
         if len(gids) != len(fp.members):
             raise CheckpointError(f"optimizer entry {lid} covers {len(gids)} parameters, the plan {len(fp.members)}")
         entries = [full_optim["state"][g] for g in gids]
@@ -141,6 +147,7 @@ def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str
         state[lid] = s
     out["state"] = state
     groups = copy_tree(full_optim["param_groups"])
-    groups[0]["params"] = list(range(len(flat)))
+    # Entry k is flat parameter k, or (frozen parameters left out) the optimizer numbered fewer.
+    groups[0]["params"] = list(range(len(flat) if identity else max(by_local) + 1))
     out["param_groups"] = groups
     return map_leaves(out, lambda x: whole(x) if isinstance(x, TensorRef) else x)

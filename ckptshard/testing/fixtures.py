@@ -38,6 +38,8 @@ def wrap_fixture_model(model: VisslLikeModel, variant: str, init: Optional[str] 
     if variant == "half":
         model.trunk.half()
         model.input_dtype = torch.float16
+    if variant == "frozen":  # linear evaluation: a frozen trunk, only the head trains
+        model.trunk.requires_grad_(False)
     trunk = model.trunk
     for i in range(len(trunk.blocks)):
         trunk.blocks[i] = FSDP(trunk.blocks[i], **base, **cfg["trunk"])
@@ -66,7 +68,12 @@ def train_steps(root: Any, optim: torch.optim.Optimizer, rank: int, world_size: 
 
 
 def make_optimizer(params, variant: str) -> torch.optim.Optimizer:
-    """Adam, or SGD with momentum for the pure-fp16 variant (Adam's eps underflows in fp16)."""
+    """Adam, or SGD with momentum for the pure-fp16 variant (Adam's eps underflows in fp16).
+
+    Over the trainable parameters only, as training scripts build it: with a
+    frozen trunk the optimizer numbers fewer entries than FSDP has flat parameters.
+    """
+    params = [p for p in params if p.requires_grad]
     if variant == "half":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.Adam(params, lr=LR)
@@ -102,8 +109,9 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
         root.eval()
     losses = train_steps(root, optim, rank, world_size, range(steps), seed)
     full = root.state_dict()
-    # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params).
-    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 else None
+    # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params), nor
+    # with frozen parameters: it takes optimizer entry k for FSDP instance k.
+    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 and variant != "frozen" else None
     local, meta = root.local_state_dict(), root.local_metadata_dict()
     osd = optim.state_dict()
     m = inner(root)
