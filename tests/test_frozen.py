@@ -127,3 +127,14 @@ def test_dcp_round_trip_equals_reshard(frozen_fixture, tmp_path):
         for pid, entry in ob["state"].items():
             for k, v in entry.items():
                 assert torch.equal(torch.as_tensor(oa["state"][pid][k]), v), (r, pid, k)
+
+
+def test_inspect_counts_the_frozen_flat_parameters(frozen_fixture, next_step_fixture):
+    from ckptshard.execute.inspect import format_summary, inspect_checkpoint
+
+    summary = inspect_checkpoint(src_of(frozen_fixture, "fairseq"))
+    frozen = summary["optimizer"]
+    assert frozen["entries"] == 3 and frozen["flat_params_not_in_optimizer"] == 4
+    assert "4 flat parameters not in it (frozen)" in format_summary(summary)
+    whole = inspect_checkpoint(src_of(next_step_fixture, "fairseq"))["optimizer"]
+    assert whole["flat_params_not_in_optimizer"] == 0

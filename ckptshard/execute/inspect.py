@@ -67,6 +67,9 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             "param_groups": len(osd.get("param_groups", [])),
             "state_keys": keys,
             "other_keys": sorted(str(k) for k in osd if k not in ("state", "param_groups")),
+            # Flat parameters the optimizer does not number: frozen (requires_grad=False) when trained.
+            "flat_params_not_in_optimizer": max(0, len(ckpt.layout.flat_params()) - sum(
+                len(g.get("params", [])) for g in osd.get("param_groups", []) if isinstance(g, dict))),
         }
     n_params = sum(len(fp["params"]) for p in parts for i in p["instances"] for fp in i["flat_params"])
     return {
@@ -145,6 +148,8 @@ def format_summary(s: Dict[str, Any]) -> str:
         lines.append("optimizer   none")
     else:
         extra = f"; also {', '.join(o['other_keys'])}" if o["other_keys"] else ""
+        if o["flat_params_not_in_optimizer"]:
+            extra += f"; {o['flat_params_not_in_optimizer']} flat parameters not in it (frozen)"
         lines.append(
             f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), state {', '.join(o['state_keys'])}{extra}"
         )
