@@ -121,7 +121,8 @@ def fsdp2_optimizer(ckpt: ShardedCheckpoint, rename: NameMap = lambda n: n) -> D
     values such as ``step`` come from rank 0 and are shared by the members
     of one flat parameter. ``param_groups`` list parameter names.
     """
-    flat = check_optimizer(ckpt, by_name=True)  # per optimizer id: frozen parameters have none
+    all_flat = ckpt.layout.flat_params()
+    flat = [all_flat[j] for j in check_optimizer(ckpt, by_name=True)]  # index = optimizer id; frozen: none
     M = ckpt.world_size
     osds = [ckpt.optimizer_state(r) for r in range(M)]
     state: Dict[str, Dict[str, Any]] = {}

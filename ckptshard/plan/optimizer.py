@@ -120,12 +120,13 @@ def optimizer_params(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int
     return out
 
 
-def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[FlatEntry]:
-    """Refuse optimizer state that does not fit the layout; return each id's flat parameter (index = id).
+def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]:
+    """Refuse optimizer state that does not fit the layout; return :func:`optimizer_params`.
 
     Checks the parameter count, each rank's entry keys and tensor sizes.
     """
-    flat = [_entries(ckpt)[j] for j in optimizer_params(ckpt, by_name)]
+    index = optimizer_params(ckpt, by_name)
+    flat = [_entries(ckpt)[j] for j in index]
     first = None
     for r in range(ckpt.world_size):
         osd = ckpt.optimizer_state(r)
@@ -155,14 +156,14 @@ def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[Flat
                         f"{part.prefix}{inst.local_key(fp)} holds {want} per rank "
                         "(parameter order differs, or state of another shape)"
                     )
-    return flat
+    return index
 
 
 def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Optional[Dict[str, Any]]:
     """Rank ``rank``'s optimizer state dict at ``world_size``, as a tree of Fills."""
     if ckpt.container.optimizer is None:
         return None
-    flat = check_optimizer(ckpt)
+    flat = [_entries(ckpt)[j] for j in check_optimizer(ckpt)]  # index = optimizer id
     M = ckpt.world_size
     same = world_size == M
     # Per-rank values (0-dim tensors) follow the weights' buffer rule.
@@ -210,9 +211,8 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     """
     if ckpt.container.optimizer is None:
         return None
-    check_optimizer(ckpt, by_name=True)
     M, flat = ckpt.world_size, _entries(ckpt)
-    lid_of = {j: lid for lid, j in enumerate(optimizer_params(ckpt, by_name=True))}  # frozen: none
+    lid_of = {j: lid for lid, j in enumerate(check_optimizer(ckpt, by_name=True))}  # frozen: none
     osds = [ckpt.optimizer_state(r) for r in range(M)]
     out = copy_tree(osds[0])
     state: Dict[int, Dict[str, Any]] = {}
