@@ -10,7 +10,6 @@ the fsync stays. Linux only; elsewhere this is a no-op.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 from typing import Any, Optional
 
