@@ -6,9 +6,10 @@ dict, its metadata and the optimizer state live, and how its files are named.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
+from .safe_load import TensorRef
 from .tree import Path, get_path, has_path
 
 
@@ -46,15 +47,17 @@ def _find_optimizer(obj: Any, path: Path) -> Optional[Path]:
 
 
 _FAIRSEQ_LIKE = (("fairseq", "fsdp_metadata"), ("metaseq", "shard_metadata"))
-_PLAIN_WEIGHTS = ("model", "state_dict", "weights", "model_state_dict")
-_PLAIN_META = ("metadata", "meta", "fsdp_metadata", "shard_metadata", "model_metadata")
 _PLAIN_OPTIM = ("optimizer", "optim", "optimizer_state", "last_optimizer_state", "optimizer_state_dict")
+_SEARCH_DEPTH = 4  # how deep a generic container may nest its state dicts
 
 
 def detect(obj: Any, where: str) -> Container:
-    """Which container ``obj`` (one rank's unpickled file) is.
+    """Which container ``obj`` (one rank's unpickled file, tensors as TensorRefs) is.
 
-    Raises a :class:`CheckpointError` naming the keys found where it is none.
+    fairseq, metaseq and VISSL are recognised by their keys; anything else
+    is searched for FSDP metadata and the local state dict it describes
+    (see :func:`_generic`). Raises a :class:`CheckpointError` naming the keys
+    found where it is none.
     """
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{where}: not a checkpoint: holds a {type(obj).__name__}, not a dict")
@@ -74,17 +77,117 @@ def detect(obj: Any, where: str) -> Container:
                 parts=(PartSpec("model", "", ("model",), (meta_key,)),),
                 optimizer=_find_optimizer(obj, ("last_optimizer_state",)),
             )
-    for wk in _PLAIN_WEIGHTS:
-        for mk in _PLAIN_META:
-            if wk in obj and mk in obj and _is_metadata(obj[mk]):
-                optim = next((p for k in _PLAIN_OPTIM if (p := _find_optimizer(obj, (k,)))), None)
-                return Container(kind="plain", parts=(PartSpec("model", "", (wk,), (mk,)),), optimizer=optim)
+    found = _generic(obj, where)
+    if found is not None:
+        return found
     if "model" in obj or "last_optimizer_state" in obj:
         raise CheckpointError(
             f"{where}: no FSDP shard metadata (fsdp_metadata or shard_metadata): not a sharded "
             f"checkpoint, or saved without local_metadata_dict(); keys found: {keys}"
         )
     raise CheckpointError(f"{where}: not a fairscale sharded checkpoint; keys found: {keys}")
+
+
+def _dotted(path: Path) -> str:
+    return ".".join(map(str, path)) or "(top level)"
+
+
+def _nodes(obj: Any, path: Path = ()) -> Iterator[Tuple[Path, Mapping[str, Any]]]:
+    """Every dict in ``obj`` down to ``_SEARCH_DEPTH``, with its path; not inside FSDP metadata."""
+    if isinstance(obj, Mapping):
+        yield path, obj
+        if _is_metadata(obj):
+            return
+        children: Any = obj.items()
+    elif isinstance(obj, list):
+        children = enumerate(obj)
+    else:
+        return
+    if len(path) < _SEARCH_DEPTH:
+        for k, v in children:
+            yield from _nodes(v, path + (k,))
+
+
+def _local_keys(meta: Mapping[str, Any]) -> Set[str]:
+    """The keys FSDP's local_state_dict() holds for this metadata: flat parameters and buffers."""
+    keys: Set[str] = set()
+    for entry in meta.get("param_metadata") or []:
+        if isinstance(entry, Mapping) and isinstance(entry.get("params"), Mapping):
+            base = entry.get("fsdp_path") or ""
+            keys.update(f"{base}.{k}" if base else str(k) for k in entry["params"])
+    return keys
+
+
+def _common(a: Path, b: Path) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _generic(obj: Mapping[str, Any], where: str) -> Optional[Container]:
+    """Any other container: each FSDP metadata dict found, paired with the state dict holding its keys.
+
+    A metadata dict has ``param_metadata``; its state dict is the dict of
+    tensors that holds every flat parameter the metadata names: one holding
+    only those and the metadata's buffers if any does, and among those the
+    nearest to it in the tree (a sibling, for ``{"model": ..., "meta": ...}``).
+    Two equally near candidates, or two optimizer states, are refused rather
+    than guessed.
+    """
+    nodes = list(_nodes(obj))
+    metas = [(p, n) for p, n in nodes if _is_metadata(n)]
+    if not metas:
+        return None
+    tensor_dicts = [(p, n) for p, n in nodes if n and all(isinstance(v, TensorRef) for v in n.values())]
+    parts: List[Tuple[Path, Path]] = []
+    for mpath, meta in metas:
+        buffers = {str(b) for b in meta.get("buffer_names") or []}
+        want = _local_keys(meta) or buffers
+        if not want:
+            raise CheckpointError(f"{where}: FSDP metadata at {_dotted(mpath)} lists no parameters or buffers")
+        fits = [(p, set(n.keys())) for p, n in tensor_dicts if want <= set(n.keys())]
+        if not fits:
+            raise CheckpointError(
+                f"{where}: FSDP metadata at {_dotted(mpath)}, but no dict of tensors holds its flat parameters "
+                f"({', '.join(sorted(want)[:3])}...)"
+            )
+        # Best: a dict holding nothing but this metadata's flat parameters and
+        # buffers; then the one nearest to the metadata in the tree.
+        own = want | buffers
+        score = {p: (keys <= own, _common(p, mpath)) for p, keys in fits}
+        best = max(score.values())
+        nearest = [p for p in score if score[p] == best]
+        if len(nearest) > 1:
+            raise CheckpointError(
+                f"{where}: FSDP metadata at {_dotted(mpath)} fits several state dicts "
+                f"({', '.join(_dotted(p) for p in nearest)}): cannot tell which it describes"
+            )
+        parts.append((nearest[0], mpath))
+    if len({w for w, _ in parts}) < len(parts):
+        raise CheckpointError(f"{where}: several FSDP metadata dicts describe the same state dict")
+    specs = tuple(
+        PartSpec("model", "", w, m) if len(parts) == 1 else PartSpec(_dotted(w), f"{w[-1]}.", w, m)
+        for w, m in parts
+    )
+    if len(parts) > 1 and len({s.prefix for s in specs}) < len(specs):
+        raise CheckpointError(f"{where}: several FSDP state dicts with the same name: {[s.label for s in specs]}")
+    return Container(kind="plain", parts=specs, optimizer=_generic_optimizer(nodes, where))
+
+
+def _generic_optimizer(nodes: List[Tuple[Path, Mapping[str, Any]]], where: str) -> Optional[Path]:
+    found = [p for p, n in nodes if p and "state" in n and "param_groups" in n]
+    if len(found) <= 1:
+        return found[0] if found else None
+    named = [p for p in found if str(p[0]) in _PLAIN_OPTIM]
+    if len(named) == 1:
+        return named[0]
+    raise CheckpointError(
+        f"{where}: several optimizer states ({', '.join(_dotted(p) for p in found)}): "
+        "cannot tell which belongs to the FSDP model"
+    )
 
 
 def _vissl(obj: Mapping[str, Any], where: str) -> Container:
