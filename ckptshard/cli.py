@@ -106,13 +106,16 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Cast floating-point tensors (integers such as num_batches_tracked are kept).")
 @reshape_options
+@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
+                   "Under torchrun, ranks share the files instead.")
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
 def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional[str], container: bool,
                 optimizer: bool, dtype: Optional[str], select: tuple, strip_prefix: tuple, rename: tuple,
-                overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+                jobs: int, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
     """Write one full state dict from the shards in SRC, streaming: memory stays
     flat whatever the model's size."""
     from .execute.consolidate import consolidate as run
@@ -120,8 +123,9 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
     res = _run(ctx, lambda: run(src, out, max_shard_size=_size(max_shard_size), container=container,
                                 optimizer=optimizer, overwrite=overwrite, trust_pickles=trust_pickles,
                                 progress=not quiet, select=select, strip_prefix=strip_prefix, rename=rename,
-                                dtype=dtype))
-    click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
+                                dtype=dtype, jobs=jobs))
+    if os.environ.get("RANK", "0") == "0":
+        click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
 
 
 @main.command()
@@ -189,7 +193,8 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
               help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).")
 @reshape_options
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="--to dcp or fairscale: write the output's files in this many local processes (same bytes).")
+              help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
+                   "local processes (same bytes). Under torchrun, ranks share the files instead.")
 @common_overwrite
 @common_trust
 @common_quiet

@@ -61,3 +61,44 @@ def test_torchrun_dcp_equals_single_process(fixtures, tmp_path):
     assert res.stdout.count("wrote ") == 1  # rank 0 reports
     assert len(same_files(tmp_path / "one", tmp_path / "dist")) == 5  # 3 data files, .metadata, manifest
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def _consolidated_folders_equal(a, b):
+    names = same_files(a, b)
+    assert "model.safetensors.index.json" in names and len(names) >= 5, names  # several files, index, manifest
+    return names
+
+
+def test_consolidate_jobs_equal_single_process(fixtures, tmp_path):
+    from ckptshard.execute.consolidate import consolidate
+
+    src = str(fixtures[3] / "fairseq")
+    consolidate(src, str(tmp_path / "one"), max_shard_size=1500, progress=False)
+    consolidate(src, str(tmp_path / "many"), max_shard_size=1500, progress=False, jobs=3)
+    _consolidated_folders_equal(tmp_path / "one", tmp_path / "many")
+
+
+def test_torchrun_consolidate_equals_single_process(fixtures, tmp_path):
+    from ckptshard.execute.consolidate import consolidate
+
+    src = str(fixtures[2] / "metaseq")
+    consolidate(src, str(tmp_path / "one"), max_shard_size=1500, optimizer=True, progress=False)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                          "-m", "ckptshard.cli", "consolidate", src, "--max-shard-size", "1500", "--optimizer",
+                          "-o", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("wrote ") == 1  # rank 0 reports
+    _consolidated_folders_equal(tmp_path / "one", tmp_path / "dist")
+    # rank 0 writes the full optimizer state beside the folder
+    assert (tmp_path / "dist.optim.pt").read_bytes() == (tmp_path / "one.optim.pt").read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_jobs_refused_for_a_single_file(fixtures, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "consolidate", str(fixtures[2] / "fairseq"),
+                          "-o", str(tmp_path / "full.safetensors"), "--jobs", "2", "-q"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "give --max-shard-size" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())

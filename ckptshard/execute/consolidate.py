@@ -13,10 +13,11 @@ from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..io.tree import copy_tree, get_path, map_leaves, set_path
-from ..io.writers import tree_nbytes, write_safetensors, write_safetensors_index, write_torch
+from ..io.writers import safetensors_index_plan, tree_nbytes, write_index_json, write_safetensors, write_torch
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import DTYPES, parse_renames, transform
+from .parallel import leads, run_checked, torchrun_world, write_folder_across_ranks, write_safetensors_in_processes
 from .progress import progress_bar
 
 TORCH_SUFFIXES = (".pt", ".pth", ".torch", ".bin", ".ckpt")
@@ -82,24 +83,71 @@ def write_file_manifest(output: str, source: Dict[str, Any], command: str, hashe
         write_json(tmp, manifest)
 
 
+SAFETENSORS_META = {"format": "pt"}  # what transformers' loaders expect
+
+
+def check_parallel(fmt: str, jobs: int) -> None:
+    """``--jobs`` and torchrun split the work by output file: only a folder output has several."""
+    if fmt != "safetensors-index" and (jobs > 1 or torchrun_world() is not None):
+        how = f"--jobs {jobs}" if jobs > 1 else "torchrun"
+        raise CheckpointError(f"{how} splits the work by output file, and a single-file output has one: "
+                              "give --max-shard-size to write a folder of files")
+
+
+def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copier: Copier, tick: Any,
+                       source: Dict[str, Any], command: str, overwrite: bool, hashes: Hashes, jobs: int = 1) -> None:
+    """An index-sharded safetensors folder, atomically, with its manifest inside.
+
+    ``jobs`` > 1 writes its files in local processes; under torchrun rank r
+    writes files r, r + world, ... and rank 0 the index and the manifest.
+    Every way gives the same bytes.
+    """
+    files, index = safetensors_index_plan(tensors, max_bytes, SAFETENSORS_META)
+    names = [name for name, _ in files]
+
+    def finish(folder: str, _: Any = None, hashed: Optional[Hashes] = None) -> None:
+        written = names + [write_index_json(folder, index)]
+        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, hashed))
+
+    world = torchrun_world()
+    if world is not None:
+        rank, n = world
+
+        def share(folder: str) -> None:
+            with Copier() as own:
+                for name, group in files[rank::n]:
+                    write_safetensors(os.path.join(folder, name), group, own, None, SAFETENSORS_META)
+
+        write_folder_across_ranks(out, overwrite, sum(f.nbytes for f in tensors.values()), rank, n, share, finish)
+        return
+    with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+        if jobs > 1:
+            write_safetensors_in_processes([(group, os.path.join(tmp, name)) for name, group in files], jobs,
+                                           SAFETENSORS_META, tick)
+        else:
+            for name, group in files:
+                write_safetensors(os.path.join(tmp, name), group, copier, tick, SAFETENSORS_META, hashes)
+        finish(tmp, hashed=None if jobs > 1 else hashes)
+
+
 def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,
-               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, hashes: Hashes) -> None:
+               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, hashes: Hashes,
+               jobs: int = 1) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
-    An index folder carries its manifest inside; a single file gets it from
+    An index folder carries its manifest inside (and may be written by
+    ``jobs`` processes or torchrun ranks); a single file gets it from
     :func:`write_file_manifest` once every output is in place. ``hashes``
     hashes the output while it is written.
     """
     if fmt == "safetensors-index":
-        with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            names = write_safetensors_index(tmp, tree, max_shard_size or 0, copier, tick, {"format": "pt"}, hashes)
-            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, command, hashes))
+        write_index_folder(out, tree, max_shard_size or 0, copier, tick, source, command, overwrite, hashes, jobs)
         return
     with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
         if fmt == "torch":
             write_torch(tmp, tree, copier, tick, trust_pickles, hashes)
         else:
-            write_safetensors(tmp, tree, copier, tick, {"format": "pt"}, hashes)
+            write_safetensors(tmp, tree, copier, tick, SAFETENSORS_META, hashes)
     hashes.moved(tmp, out)
 
 
@@ -122,12 +170,16 @@ def consolidate(
     strip_prefix: Sequence[str] = (),
     rename: Sequence[str] = (),
     dtype: Optional[str] = None,
+    jobs: int = 1,
 ) -> ConsolidateResult:
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``.
 
     ``select``/``strip_prefix``/``rename``/``dtype``: see :func:`ckptshard.plan.transform.transform`.
+    ``jobs``: processes writing the files of a ``max_shard_size`` folder (under
+    torchrun the ranks share them instead; rank 0 writes any optimizer file).
     """
     fmt = output_format(out, max_shard_size)
+    check_parallel(fmt, jobs)
     if container and fmt != "torch":
         raise CheckpointError("--container needs a torch.save output (.pt/.pth/.torch)")
     renames = parse_renames(rename)
@@ -138,7 +190,7 @@ def consolidate(
         raise CheckpointError("--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer")
     ckpt = open_checkpoint(src, trust_pickles)
     inputs = tuple(ckpt.files.paths)
-    check_output(out, overwrite, inputs)
+    run_checked(lambda: check_output(out, overwrite, inputs))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
     optim = None
     if optimizer:
@@ -148,18 +200,19 @@ def consolidate(
     opt_out = None
     if optim is not None and not container:
         opt_out = optimizer_path(out)
-        check_output(opt_out, overwrite, inputs)
+        run_checked(lambda: check_output(opt_out, overwrite, inputs))
     # Tied tensors count twice: safetensors stores each copy.
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    check_space(out, total)
+    run_checked(lambda: check_space(out, total))
     outputs: List[str] = []
     source = source_info(ckpt)  # fingerprinted once, for every manifest
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress) as tick:
+    lead = leads()  # under torchrun rank 0 reports and writes the single files
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
         tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
         write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles,
-                   hashes)
+                   hashes, jobs)
         outputs.append(out)
-        if opt_out is not None:
+        if opt_out is not None and lead:
             write_full(opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles,
                        hashes)
             outputs.append(opt_out)

@@ -41,13 +41,14 @@ from ..plan.dcp import (
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
 from .consolidate import (
+    check_parallel,
     consolidate,
     output_format,
     source_info,
     write_file_manifest,
     write_full,
 )
-from .parallel import map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
+from .parallel import leads, map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -106,7 +107,7 @@ def convert(
     _check_format(out, to, max_shard_size)
     res = consolidate(src, out, max_shard_size=max_shard_size, optimizer=False, overwrite=overwrite,
                       trust_pickles=trust_pickles, progress=progress, select=select, strip_prefix=strip_prefix,
-                      rename=rename, dtype=dtype)
+                      rename=rename, dtype=dtype, jobs=jobs)
     return ConvertResult(res.outputs, res.tensors, res.nbytes)
 
 
@@ -189,7 +190,8 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         return _dcp_to_fairscale(d, out, like, world_size or 1, optimizer, overwrite, trust_pickles, progress,
                                  select, strip_prefix, renames, dtype, inputs, jobs)
     fmt = _check_format(out, to, max_shard_size)
-    check_output(out, overwrite, inputs)
+    check_parallel(fmt, jobs)
+    run_checked(lambda: check_output(out, overwrite, inputs))
     whole = d.tree if optimizer else {k: v for k, v in d.tree.items() if k != OPTIM}
     reshaping = bool(select or strip_prefix or renames or dtype)
     if fmt == "torch" and not reshaping:
@@ -200,10 +202,11 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         tree = transform(tensors, select, strip_prefix, renames, DTYPES.get(dtype or ""))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
-    check_space(out, total)
+    run_checked(lambda: check_space(out, total))
     source = _dcp_source_info(d)
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress) as tick:
-        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes)
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress and leads()) as tick:
+        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes,
+                   jobs)
         if os.path.isfile(out):
             write_file_manifest(out, source, "convert", hashes)
     return ConvertResult([out], count, total)

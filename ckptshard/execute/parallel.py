@@ -12,11 +12,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import CheckpointError
 from ..io.fill import Copier
-from ..io.writers import tree_nbytes, write_torch
+from ..io.writers import tree_nbytes, write_safetensors, write_torch
 
 T = TypeVar("T")
 
@@ -27,6 +27,13 @@ def _write_one(job: Job, trust_pickles: bool) -> str:
     tree, path = job
     with Copier() as copier:
         write_torch(path, tree, copier, None, trust_pickles)
+    return path
+
+
+def _write_one_safetensors(job: Job, metadata: Optional[Dict[str, str]]) -> str:
+    tensors, path = job
+    with Copier() as copier:
+        write_safetensors(path, tensors, copier, None, metadata)
     return path
 
 
@@ -50,11 +57,24 @@ def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: O
                             trust_pickles)
 
 
+def write_safetensors_in_processes(jobs: Sequence[Job], n: int, metadata: Optional[Dict[str, str]],
+                                   tick: Optional[Any] = None) -> List[str]:
+    """Write every ({name: Fill}, path) job as a safetensors file, ``n`` processes at a time."""
+    return map_in_processes(_write_one_safetensors, jobs, n,
+                            (lambda job: tick(sum(f.nbytes for f in job[0].values()))) if tick else None, metadata)
+
+
 def torchrun_world() -> Optional[Tuple[int, int]]:
     """(rank, world size) when launched by torchrun with more than one rank, else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def leads() -> bool:
+    """True in a single process and on torchrun's rank 0: the one that reports and writes single files."""
+    world = torchrun_world()
+    return world is None or world[0] == 0
 
 
 def init_torchrun() -> None:

@@ -194,6 +194,33 @@ def split_by_size(tensors: Mapping[str, Fill], max_bytes: int) -> List[List[str]
     return groups
 
 
+INDEX_JSON = "model.safetensors.index.json"
+
+
+def safetensors_index_plan(tensors: Mapping[str, Fill], max_bytes: int, metadata: Optional[Mapping[str, str]] = None
+                           ) -> Tuple[List[Tuple[str, Dict[str, Fill]]], Dict[str, Any]]:
+    """The files (name, tensors) of an index-sharded safetensors folder, and its index.
+
+    Pure: every process (``--jobs``, torchrun ranks) plans the same names.
+    """
+    groups = split_by_size(tensors, max_bytes)
+    n = len(groups)
+    files = [(f"model-{i:05d}-of-{n:05d}.safetensors", {k: tensors[k] for k in g}) for i, g in enumerate(groups, 1)]
+    weight_map = {k: fname for fname, group in files for k in group}
+    index = {
+        "metadata": {"total_size": sum(f.nbytes for f in tensors.values()), **(metadata or {})},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return files, index
+
+
+def write_index_json(folder: str, index: Mapping[str, Any]) -> str:
+    with open(os.path.join(folder, INDEX_JSON), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    return INDEX_JSON
+
+
 def write_safetensors_index(
     folder: str,
     tensors: Mapping[str, Fill],
@@ -204,20 +231,7 @@ def write_safetensors_index(
     hashes: Optional[Hashes] = None,
 ) -> List[str]:
     """Index-sharded safetensors (the ``model.safetensors.index.json`` convention)."""
-    groups = split_by_size(tensors, max_bytes)
-    n = len(groups)
-    weight_map, names = {}, []
-    for i, group in enumerate(groups, start=1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        write_safetensors(os.path.join(folder, fname), {k: tensors[k] for k in group}, copier, progress, metadata,
-                          hashes)
-        weight_map.update({k: fname for k in group})
-        names.append(fname)
-    index = {
-        "metadata": {"total_size": sum(f.nbytes for f in tensors.values()), **(metadata or {})},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    return names + ["model.safetensors.index.json"]
+    files, index = safetensors_index_plan(tensors, max_bytes, metadata)
+    for fname, group in files:
+        write_safetensors(os.path.join(folder, fname), group, copier, progress, metadata, hashes)
+    return [fname for fname, _ in files] + [write_index_json(folder, index)]
