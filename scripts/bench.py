@@ -117,6 +117,10 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
         (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),
         ("ckptshard convert --to dcp", ck + ["convert", src, "--to", "dcp", "-o", out, "-q"]),
+        # Scale-out: a folder of 256 MiB safetensors files, by one process and by two.
+        ("ckptshard consolidate -> 256MiB-file folder", ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "-q"]),
+        ("ckptshard consolidate -> 256MiB-file folder --jobs 2",
+         ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "--jobs", "2", "-q"]),
     ]
     if fairscale:
         cases.insert(1, ("fairscale consolidate_shard_weights + torch.save", [PY, "-c", FAIRSCALE_CONSOLIDATE, src, str(shards), out + ".pt"]))

@@ -39,7 +39,7 @@ from ..plan.dcp import (
     plan_dcp,
 )
 from ..plan.shard import check_full_against_plan, sharded_files
-from ..plan.transform import DTYPES, name_mapper, parse_renames, transform
+from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
 from .consolidate import (
     check_parallel,
     consolidate,
@@ -87,8 +87,7 @@ def convert(
     """
     if to not in TARGETS:
         raise CheckpointError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    cast_dtype(dtype)  # a bad --dtype fails before any file is opened
     renames = parse_renames(rename)
     if to == "fairscale" and (world_size is None or world_size < 1):
         raise CheckpointError("--to fairscale needs --world-size N (N >= 1)")
@@ -124,7 +123,7 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
                       dtype: Optional[str], jobs: int) -> ConvertResult:
     ckpt = open_checkpoint(src, trust_pickles)
     run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths)))
-    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, DTYPES.get(dtype or ""))
+    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
     plan = plan_dcp(tree)
@@ -199,7 +198,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         count = sum(1 for v in flat_tensors(whole, True, src).values() if is_tensor(v))
     else:
         tensors = flat_tensors(whole, False, src, select)
-        tree = transform(tensors, select, strip_prefix, renames, DTYPES.get(dtype or ""))
+        tree = transform(tensors, select, strip_prefix, renames, cast_dtype(dtype))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
     run_checked(lambda: check_space(out, total))

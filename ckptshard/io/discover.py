@@ -6,9 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import torch
-
 from ..errors import CheckpointError
+from .pickle_reader import Unsupported, read_torch_zip
 
 # "...shard3.pt", "..._shard3.torch", "...-shard03.pt": the rank follows "shard".
 _SHARD_RE = re.compile(r"^(?P<head>.*shard)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
@@ -52,10 +51,15 @@ def _read_shard_list(path: str) -> Optional[List[str]]:
     if os.path.getsize(path) > 64 * 1024 * 1024:
         return None
     try:
-        with torch.serialization.safe_globals([]):
-            obj = torch.load(path, map_location="meta", weights_only=True)
-    except Exception:
-        return None
+        obj = read_torch_zip(path)
+    except Unsupported:
+        try:
+            import torch
+
+            with torch.serialization.safe_globals([]):
+                obj = torch.load(path, map_location="meta", weights_only=True)
+        except Exception:
+            return None
     if isinstance(obj, dict) and obj.get("type") == "shard_list":
         shards = obj.get("shards")
         if not isinstance(shards, (list, tuple)) or not shards:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
-import torch
-
+from ..dtypes import dtype_name, to_torch
 from ..errors import CheckpointError
 from .safe_load import TensorRef
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK = 64 * 1024 * 1024
 
@@ -38,7 +40,7 @@ class Fill:
     """
 
     shape: Tuple[int, ...]
-    dtype: torch.dtype
+    dtype: Any  # torch.dtype, or StoredDType (see ckptshard.dtypes)
     sources: Tuple[Source, ...]
 
     @property
@@ -50,7 +52,7 @@ class Fill:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
 
 def whole(ref: TensorRef) -> Fill:
@@ -106,11 +108,12 @@ class Copier:
         self.close()
 
     def fill(self, out_fd: int, out_offset: int, fill: Fill, progress: Optional[Progress] = None) -> None:
-        isz = torch.empty((), dtype=fill.dtype).element_size()
+        isz = fill.dtype.itemsize
+        name = dtype_name(fill.dtype)
         for s in fill.sources:
             if s.length == 0:
                 continue
-            if s.ref.dtype == fill.dtype and s.ref.contiguous:
+            if dtype_name(s.ref.dtype) == name and s.ref.contiguous:
                 self._copy(
                     s.ref.path,
                     s.ref.offset + s.src_start * isz,
@@ -142,7 +145,10 @@ class Copier:
             os.pwrite(out_fd, chunk, out_off)
             src_off, out_off, n = src_off + len(chunk), out_off + len(chunk), n - len(chunk)
 
-    def _convert(self, out_fd: int, out_offset: int, isz: int, dtype: torch.dtype, s: Source) -> None:
+    def _convert(self, out_fd: int, out_offset: int, isz: int, dtype: Any, s: Source) -> None:
+        import torch
+
+        dtype = to_torch(dtype)
         step = max(1, BLOCK // max(isz, s.ref.itemsize))
         for a in range(0, s.length, step):
             n = min(step, s.length - a)
@@ -150,12 +156,15 @@ class Copier:
             os.pwrite(out_fd, data.view(torch.uint8).numpy().tobytes(), out_offset + (s.dst_start + a) * isz)
 
 
-def read_fill(fill: Fill) -> torch.Tensor:
+def read_fill(fill: Fill) -> "torch.Tensor":
     """The Fill as an in-memory tensor (for loading into a live model)."""
-    out = torch.zeros(fill.numel, dtype=fill.dtype)
+    import torch
+
+    dtype = to_torch(fill.dtype)
+    out = torch.zeros(fill.numel, dtype=dtype)
     for s in fill.sources:
         if s.length:
-            out[s.dst_start : s.dst_start + s.length] = s.ref.read_flat(s.src_start, s.src_start + s.length).to(fill.dtype)
+            out[s.dst_start : s.dst_start + s.length] = s.ref.read_flat(s.src_start, s.src_start + s.length).to(dtype)
     return out.view(fill.shape)
 
 
@@ -163,7 +172,7 @@ def materialize(tree: object) -> object:
     """Every Fill of a tree read into memory; a Fill used twice becomes one tensor (ties)."""
     from .tree import map_leaves
 
-    memo: Dict[int, torch.Tensor] = {}
+    memo: Dict[int, Any] = {}
 
     def one(leaf: object) -> object:
         if isinstance(leaf, Fill):

@@ -6,11 +6,13 @@ import os
 import struct
 from typing import Any, Dict, Mapping
 
+import torch
+
+from ..dtypes import SAFETENSORS_CODE
 from ..errors import CheckpointError
 from .safe_load import TensorRef, load_lazy
-from .writers import SAFETENSORS_DTYPES
 
-_DTYPE_OF_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
 
 
 def _contiguous_stride(shape) -> tuple:
@@ -39,9 +41,10 @@ def safetensors_refs(path: str) -> Dict[str, TensorRef]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _DTYPE_OF_CODE.get(info.get("dtype"))
-        if dtype is None:
+        dtype_name = _DTYPE_OF_CODE.get(info.get("dtype"))
+        if dtype_name is None or not hasattr(torch, dtype_name):
             raise CheckpointError(f"{path}: {name}: unsupported dtype {info.get('dtype')}")
+        dtype = getattr(torch, dtype_name)
         begin, end = info["data_offsets"]
         shape = tuple(int(s) for s in info["shape"])
         ref = TensorRef(path, 8 + n + begin, dtype, shape, _contiguous_stride(shape))

@@ -14,11 +14,13 @@ import re
 import warnings
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import TYPE_CHECKING, Any, Tuple
 
-import torch
-
+from ..dtypes import to_torch, unpack_scalar
 from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 # Globals some real checkpoints need beyond torch's own weights-only set:
 # fairseq's pre-hydra ``args`` is an argparse.Namespace.
@@ -30,12 +32,13 @@ class TensorRef:
     """Where one stored tensor's bytes live: file, byte offset, dtype, shape.
 
     Only contiguous tensors can be read in ranges (flat parameter shards
-    always are); others are read whole through their strides.
+    always are); others are read whole through their strides. ``dtype`` is a
+    torch.dtype, or a StoredDType where the torch-free reader opened the file.
     """
 
     path: str
     offset: int
-    dtype: torch.dtype
+    dtype: Any
     shape: Tuple[int, ...]
     stride: Tuple[int, ...]
 
@@ -48,7 +51,7 @@ class TensorRef:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +66,19 @@ class TensorRef:
             expected *= size
         return True
 
-    def read(self) -> torch.Tensor:
+    def scalar(self) -> Any:
+        """A one-element tensor's value as a Python number, read without torch where struct can."""
+        if self.numel != 1:
+            raise ValueError(f"{self.path}: a tensor of {self.numel} elements is not a scalar")
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            raw = f.read(self.itemsize)
+        if len(raw) < self.itemsize:
+            raise CheckpointError(f"{self.path}: truncated: tensor data ends early at byte {self.offset}")
+        value = unpack_scalar(self.dtype, raw)
+        return self.read().item() if value is None else value
+
+    def read(self) -> "torch.Tensor":
         """The whole tensor, in fresh memory."""
         if self.contiguous:
             return self.read_flat(0, self.numel).reshape(self.shape)
@@ -71,7 +86,7 @@ class TensorRef:
         flat = read_elements(self.path, self.offset, self.dtype, span, self.itemsize)
         return flat.as_strided(self.shape, self.stride).clone()
 
-    def read_flat(self, start: int, stop: int) -> torch.Tensor:
+    def read_flat(self, start: int, stop: int) -> "torch.Tensor":
         """Elements ``[start, stop)`` of the flattened (contiguous) tensor."""
         if not self.contiguous:
             return self.read().reshape(-1)[start:stop].clone()
@@ -80,8 +95,10 @@ class TensorRef:
         )
 
 
-def read_elements(path: str, offset: int, dtype: torch.dtype, count: int, itemsize: int) -> torch.Tensor:
-    out = torch.empty(count, dtype=dtype)
+def read_elements(path: str, offset: int, dtype: Any, count: int, itemsize: int) -> "torch.Tensor":
+    import torch
+
+    out = torch.empty(count, dtype=to_torch(dtype))
     if count == 0:
         return out
     view = memoryview(out.view(torch.uint8).numpy())
@@ -96,7 +113,7 @@ def read_elements(path: str, offset: int, dtype: torch.dtype, count: int, itemsi
     return out
 
 
-def _ref_of(path: str, t: torch.Tensor, at: int = 0) -> TensorRef:
+def _ref_of(path: str, t: "torch.Tensor", at: int = 0) -> TensorRef:
     base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
     if base is None:
         raise CheckpointError(f"{path}: cannot locate tensor data (not a zip-format torch.save file?)")
@@ -111,6 +128,8 @@ def _ref_of(path: str, t: torch.Tensor, at: int = 0) -> TensorRef:
 
 def _to_refs(path: str, obj: Any, at: int = 0) -> Any:
     """Every tensor of ``obj`` as a TensorRef into ``path``; ``at``: where the torch.save data starts in it."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return _ref_of(path, obj, at)
     if isinstance(obj, dict):
@@ -142,6 +161,8 @@ def load_lazy(path: str, trust_pickles: bool = False) -> Any:
 
 def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
     """``torch.load(f)`` onto the meta device, weights-only unless ``trust_pickles``; errors name ``where``."""
+    import torch
+
     try:
         if trust_pickles:
             warnings.warn(f"{where}: loading with full unpickling (--trust-pickles): it can run code")

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..layout.model import Part, ShardedLayout, layout_from_metadata
 from .containers import Container, PartSpec, detect
 from .discover import ShardFiles, find_shards
+from .pickle_reader import Unsupported, read_torch_zip
 from .safe_load import TensorRef, load_lazy
 from .tree import get_path, leaves
 
@@ -54,10 +56,31 @@ def _check_state_dict(sd: Any, where: str) -> Mapping[str, TensorRef]:
     return sd
 
 
-def open_checkpoint(src: str, trust_pickles: bool = False) -> ShardedCheckpoint:
-    """Open ``src`` (folder, shard file or VISSL shard_list) for reading."""
+def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> List[Any]:
+    """Every rank's file unpickled, tensors as TensorRefs.
+
+    ``torch_free``: try the torch-free reader first (see io/pickle_reader.py);
+    if it cannot read any one file, every file goes through torch.load, so
+    one checkpoint's dtypes are all of one kind. ``CKPTSHARD_TORCH_READER=1``
+    turns the torch-free reader off.
+    """
+    if torch_free and not trust_pickles and not os.environ.get("CKPTSHARD_TORCH_READER"):
+        try:
+            return [read_torch_zip(p) for p in paths]
+        except Unsupported:
+            pass
+    return [load_lazy(p, trust_pickles) for p in paths]
+
+
+def open_checkpoint(src: str, trust_pickles: bool = False, torch_free: bool = False) -> ShardedCheckpoint:
+    """Open ``src`` (folder, shard file or VISSL shard_list) for reading.
+
+    ``torch_free``: read the pickles without importing torch where possible,
+    for outputs that need no torch (safetensors); tensors' dtypes are then
+    StoredDTypes.
+    """
     files = find_shards(src)
-    objs = [load_lazy(p, trust_pickles) for p in files.paths]
+    objs = _load_all(files.paths, trust_pickles, torch_free)
     container = detect(objs[0], files.paths[0])
     for r, obj in enumerate(objs[1:], start=1):
         other = detect(obj, files.paths[r])
@@ -94,7 +117,7 @@ def _progress_values(ckpt: ShardedCheckpoint, rank: int) -> Dict[str, Any]:
         for pid, entry in sorted(osd["state"].items(), key=lambda kv: str(kv[0]))[:1]:
             step = entry.get("step") if isinstance(entry, Mapping) else None
             if isinstance(step, TensorRef) and step.numel == 1:
-                step = step.read().item()
+                step = step.scalar()
             if isinstance(step, (int, float)):
                 out[f"optimizer step of entry {pid}"] = float(step)
     return out

@@ -8,31 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
-import torch
-
+from ..dtypes import SAFETENSORS_CODE, dtype_name, to_torch
 from ..errors import CheckpointError
 from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
 from .tree import leaves, map_leaves
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
-    if hasattr(torch, _name):
-        SAFETENSORS_DTYPES[getattr(torch, _name)] = _code
+if TYPE_CHECKING:
+    import torch
 
 
 _FAKE_MODE: Any = None
@@ -48,13 +34,16 @@ def _fake_mode() -> Any:
     return _FAKE_MODE
 
 
-def placeholder(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def placeholder(shape: Tuple[int, ...], dtype: Any) -> "torch.Tensor":
     """A tensor for torch.save to lay out under ``skip_data``: its bytes are never written or read.
 
     ``torch.empty`` reserves address space only (untouched pages take no
     memory) and costs nothing; where the system refuses even that (strict
     overcommit, a tensor larger than memory), a fake tensor stands in.
     """
+    import torch
+
+    dtype = to_torch(dtype)
     try:
         return torch.empty(shape, dtype=dtype)
     except RuntimeError:
@@ -89,6 +78,8 @@ def write_torch(
     so any torch can read the file; tensor bytes are then filled in place,
     front to back (``hashes`` hashes what is final while the rest is copied).
     """
+    import torch
+
     fakes: Dict[int, torch.Tensor] = {}
 
     def to_fake(leaf: Any) -> Any:
@@ -140,10 +131,11 @@ def _safetensors_header(tensors: Mapping[str, Fill], metadata: Optional[Mapping[
     offsets, pos = {}, 0
     for name in sorted(tensors):
         fill = tensors[name]
-        if fill.dtype not in SAFETENSORS_DTYPES:
+        code = SAFETENSORS_CODE.get(dtype_name(fill.dtype))
+        if code is None:
             raise CheckpointError(f"{name}: dtype {fill.dtype} cannot be stored in safetensors")
         header[name] = {
-            "dtype": SAFETENSORS_DTYPES[fill.dtype],
+            "dtype": code,
             "shape": list(fill.shape),
             "data_offsets": [pos, pos + fill.nbytes],
         }

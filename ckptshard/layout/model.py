@@ -9,10 +9,9 @@ concatenation of its *members*, the logical parameters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
-
-import torch
 
 from ..errors import CheckpointError
 from .chunking import chunk_size, padding
@@ -37,7 +36,7 @@ class FlatParam:
     key: str  # backing name in the metadata: "flat_param_0", or "weight"
     members: Tuple[Member, ...]
     numel: int
-    dtype: torch.dtype
+    dtype: Any  # torch.dtype, or StoredDType (see ckptshard.dtypes)
 
     def shard_numel(self, world_size: int) -> int:
         return chunk_size(self.numel, world_size)
@@ -112,7 +111,7 @@ _KNOWN_INSTANCE_KEYS = {"fsdp_path", "params", "shared_param_info", "no_broadcas
 
 
 def _instance_from_metadata(
-    entry: Mapping[str, Any], dtypes: Mapping[str, torch.dtype], where: str
+    entry: Mapping[str, Any], dtypes: Mapping[str, Any], where: str
 ) -> FsdpInstance:
     try:
         path = entry["fsdp_path"]
@@ -126,7 +125,7 @@ def _instance_from_metadata(
             raise CheckpointError(f"{where}: {join(path, key)}: names, shapes and numels differ in length")
         members, offset = [], 0
         for n, s, k in zip(names, shapes, numels):
-            if torch.Size(s).numel() != k:
+            if math.prod(s) != k:
                 raise CheckpointError(f"{where}: {join(path, n)}: shape {list(s)} does not hold {k} elements")
             members.append(Member(name=n, shape=s, offset=offset, numel=int(k)))
             offset += int(k)
@@ -149,7 +148,7 @@ def layout_from_metadata(
     prefix: str,
     metadata: Sequence[Mapping[str, Any]],
     shard_numels: Sequence[Mapping[str, int]],
-    dtypes: Mapping[str, torch.dtype],
+    dtypes: Mapping[str, Any],
 ) -> Part:
     """Build one part's layout from every rank's metadata and check they agree.
 
@@ -201,6 +200,8 @@ def layout_from_metadata(
 
 def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
     """The ``local_metadata_dict()`` FSDP at ``world_size`` writes on ``rank``."""
+    import torch  # shapes are torch.Size there; only writers of metadata need it
+
     entries = []
     for inst in part.instances:
         entry: Dict[str, Any] = {"fsdp_path": inst.path, "params": {}}

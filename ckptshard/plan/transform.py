@@ -1,14 +1,24 @@
 """Select, rename and cast the tensors of a planned full state dict. Pure."""
 from __future__ import annotations
 
-from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-import torch
-
+from ..dtypes import dtype_name
 from ..errors import CheckpointError
 from ..io.fill import Fill
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype -> torch's name
+
+
+def cast_dtype(flag: Optional[str]) -> Any:
+    """The torch.dtype a ``--dtype`` flag names (None: no cast); imports torch only when casting."""
+    if not flag:
+        return None
+    if flag not in DTYPES:
+        raise CheckpointError(f"--dtype {flag!r}: choose one of {', '.join(DTYPES)}")
+    import torch
+
+    return getattr(torch, DTYPES[flag])
 
 
 def parse_renames(specs: Sequence[str]) -> Tuple[Tuple[str, str], ...]:
@@ -50,7 +60,7 @@ def transform(
     select: Sequence[str] = (),
     strip_prefix: Sequence[str] = (),
     rename: Sequence[Tuple[str, str]] = (),
-    dtype: Optional[torch.dtype] = None,
+    dtype: Any = None,
 ) -> Dict[str, Fill]:
     """Keep names starting with a ``select`` prefix, strip prefixes, replace
     ``FROM`` by ``TO`` in order, and cast floating-point tensors to ``dtype``
@@ -67,7 +77,7 @@ def transform(
             continue
         if new in out:
             raise CheckpointError(f"{origin[new]} and {name} would both be named {new!r}")
-        if dtype is not None and fill.dtype.is_floating_point and fill.dtype != dtype:
+        if dtype is not None and fill.dtype.is_floating_point and dtype_name(fill.dtype) != dtype_name(dtype):
             if id(fill) not in cast:
                 cast[id(fill)] = Fill(fill.shape, dtype, fill.sources)
             fill = cast[id(fill)]

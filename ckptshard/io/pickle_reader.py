@@ -1,0 +1,178 @@
+"""Read a zip-format ``torch.save`` file's pickle without importing torch.
+
+Importing torch costs 1.5-2.5 s here, more than copying a 2 GiB checkpoint;
+``consolidate -> safetensors`` needs torch for nothing else. This reader
+unpickles ``data.pkl`` with an allow-list smaller than torch's
+``weights_only`` one and turns every tensor into a :class:`TensorRef` whose
+dtype is a :class:`StoredDType`. Anything outside the list (numpy values,
+tensor subclasses, big-endian files, compressed entries...) raises
+:class:`Unsupported`, and the caller falls back to ``torch.load``: this is a
+fast path, never a second opinion on what a file means.
+"""
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import pickle
+import struct
+import zipfile
+from typing import Any, Callable, Dict, Tuple
+
+from ..dtypes import STORAGE_CLASSES, StoredDType
+from .safe_load import TensorRef
+
+
+class Unsupported(Exception):
+    """The file uses something this reader does not handle: use torch.load."""
+
+
+class Size(tuple):
+    """``torch.Size`` read without torch: a tuple that prints as torch's does."""
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+
+class _StorageType:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = StoredDType(dtype)
+
+
+class _TensorType:
+    """``torch.Tensor`` / ``torch.nn.Parameter`` named as a rebuild target."""
+
+
+class _Storage:
+    def __init__(self, dtype: StoredDType, offset: int, nbytes: int) -> None:
+        self.dtype, self.offset, self.nbytes = dtype, offset, nbytes
+
+
+class _Tensor:
+    def __init__(self, storage: _Storage, offset: int, shape: Tuple[int, ...], stride: Tuple[int, ...]) -> None:
+        self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
+
+
+def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: Tuple[int, ...], stride: Tuple[int, ...],
+                       requires_grad: bool, backward_hooks: Any, metadata: Any = None) -> _Tensor:
+    if metadata or not isinstance(storage, _Storage):
+        raise Unsupported("tensor with metadata, or not over a typed storage")
+    return _Tensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+
+
+def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, state: Any = None) -> Any:
+    if state:
+        raise Unsupported("parameter with state")
+    return data
+
+
+def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Tuple[Any, ...], state: Any) -> Any:
+    if not isinstance(new_type, _TensorType) or state:
+        raise Unsupported("tensor subclass")
+    return func(*args)
+
+
+def _encode(text: str, encoding: str = "utf-8") -> bytes:
+    return codecs.encode(text, encoding)  # protocol-2 pickles spell bytes this way
+
+
+_ALLOWED: Dict[Tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("_codecs", "encode"): _encode,
+    ("argparse", "Namespace"): argparse.Namespace,
+    ("torch", "Size"): Size,
+    ("torch", "Tensor"): _TensorType(),
+    ("torch.nn.parameter", "Parameter"): _TensorType(),
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+}
+_STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.items()}
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, storage: Callable[[str, StoredDType], _Storage]) -> None:
+        import io
+
+        super().__init__(io.BytesIO(data))
+        self._storage = storage
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = _ALLOWED.get((module, name))
+        if found is None and module == "torch":
+            found = _STORAGE_TYPES.get(name)
+        if found is None:
+            raise Unsupported(f"global {module}.{name}")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+            raise Unsupported(f"persistent id {pid!r:.80}")
+        return self._storage(str(pid[2]), pid[1].dtype)
+
+
+def _to_refs(path: str, obj: Any) -> Any:
+    if isinstance(obj, _Tensor):
+        storage, offset, shape, stride = obj.storage, obj.offset, obj.shape, obj.stride
+        ref = TensorRef(path, storage.offset + offset * storage.dtype.itemsize, storage.dtype, shape, stride)
+        span = (offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride))) * storage.dtype.itemsize
+        if ref.numel and span > storage.nbytes:
+            raise Unsupported("tensor larger than its storage")
+        return ref
+    if isinstance(obj, dict):
+        out = type(obj)() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _to_refs(path, v)
+        return out
+    if isinstance(obj, list):
+        return [_to_refs(path, v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_to_refs(path, v) for v in obj)
+    if isinstance(obj, (_Storage, _StorageType, _TensorType)):
+        raise Unsupported("a bare storage or type in the tree")
+    return obj
+
+
+def read_torch_zip(path: str) -> Any:
+    """Unpickle ``path`` (zip-format torch.save) without torch; tensors become TensorRefs.
+
+    Raises :class:`Unsupported` for anything it does not handle, including
+    damaged files: the caller then uses torch.load, whose errors say why.
+    """
+    try:
+        with open(path, "rb") as raw, zipfile.ZipFile(raw) as zf:
+            pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkls) != 1:
+                raise Unsupported("not one data.pkl")
+            prefix = pkls[0][: -len("data.pkl")]
+            names = set(zf.namelist())
+            if prefix + "byteorder" in names and zf.read(prefix + "byteorder").strip() != b"little":
+                raise Unsupported("big-endian data")
+            data = zf.read(pkls[0])
+            seen: Dict[str, _Storage] = {}
+
+            def storage(key: str, dtype: StoredDType) -> _Storage:
+                if key not in seen:
+                    info = zf.getinfo(f"{prefix}data/{key}")
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise Unsupported("compressed tensor data")
+                    raw.seek(info.header_offset)
+                    head = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
+                    if head[0] != 0x04034B50:
+                        raise Unsupported("bad local header")
+                    start = info.header_offset + _LOCAL_HEADER.size + head[9] + head[10]
+                    seen[key] = _Storage(dtype, start, info.file_size)
+                if seen[key].dtype != dtype:
+                    raise Unsupported("one storage read as two dtypes")
+                return seen[key]
+
+            obj = _Unpickler(data, storage).load()
+    except Unsupported:
+        raise
+    except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong
+        raise Unsupported(f"{type(e).__name__}: {e}") from None
+    return _to_refs(path, obj)

@@ -1,0 +1,116 @@
+"""The torch-free pickle reader against torch.load, on every real FSDP fixture file."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptshard.dtypes import StoredDType, dtype_name
+from ckptshard.execute.consolidate import consolidate
+from ckptshard.io.pickle_reader import Size, Unsupported, read_torch_zip
+from ckptshard.io.safe_load import TensorRef, load_lazy
+from ckptshard.io.source import open_checkpoint
+from ckptshard.io.tree import leaves
+from conftest import CONTAINERS, SOURCE_WORLD_SIZES, src_of
+
+
+def fixture_files(fixtures, half_fixture, frozen_fixture):
+    folders = [fixtures[w] for w in SOURCE_WORLD_SIZES] + [half_fixture, frozen_fixture]
+    for folder in folders:
+        for c in CONTAINERS:
+            for name in sorted(os.listdir(folder / c)):
+                yield folder / c / name
+
+
+def assert_same_tree(got, want, where):
+    got_leaves, want_leaves = list(leaves(got)), list(leaves(want))
+    assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves], where
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        if isinstance(w, TensorRef):
+            assert isinstance(g, TensorRef) and isinstance(g.dtype, StoredDType), (where, path)
+            assert (g.path, g.offset, g.shape, g.stride) == (w.path, w.offset, w.shape, w.stride), (where, path)
+            assert dtype_name(g.dtype) == dtype_name(w.dtype) and g.itemsize == w.itemsize, (where, path)
+        else:
+            assert type(g).__name__ == type(w).__name__ and g == w and repr(g) == repr(w), (where, path)
+
+
+def test_reads_every_fixture_file_as_torch_load_does(fixtures, half_fixture, frozen_fixture):
+    n = 0
+    for path in fixture_files(fixtures, half_fixture, frozen_fixture):
+        assert_same_tree(read_torch_zip(str(path)), load_lazy(str(path)), path)
+        n += 1
+    assert n > 50
+
+
+def test_scalars_read_without_torch(tmp_path):
+    values = {"f32": torch.tensor(1.5), "f64": torch.tensor(-2.25, dtype=torch.float64),
+              "f16": torch.tensor(3.0, dtype=torch.float16), "bf16": torch.tensor(-0.75, dtype=torch.bfloat16),
+              "i64": torch.tensor(7), "i32": torch.tensor(-3, dtype=torch.int32),
+              "u8": torch.tensor(200, dtype=torch.uint8), "b": torch.tensor(True), "one": torch.tensor([4.0])}
+    torch.save(values, tmp_path / "s.pt")
+    got = read_torch_zip(str(tmp_path / "s.pt"))
+    for k, v in values.items():
+        assert got[k].scalar() == v.item(), k
+    with pytest.raises(ValueError):
+        TensorRef(str(tmp_path / "s.pt"), 0, StoredDType("float32"), (2,), (1,)).scalar()
+
+
+def test_torch_size_reads_as_torch_prints_it(tmp_path):
+    torch.save({"shapes": [torch.Size([3, 4])], "t": torch.arange(6).view(2, 3)[:, 1:]}, tmp_path / "x.pt")
+    got, want = read_torch_zip(str(tmp_path / "x.pt")), load_lazy(str(tmp_path / "x.pt"))
+    assert isinstance(got["shapes"][0], Size) and repr(got["shapes"][0]) == "torch.Size([3, 4])"
+    assert not got["t"].contiguous and (got["t"].offset, got["t"].stride) == (want["t"].offset, want["t"].stride)
+    assert torch.equal(got["t"].read(), torch.arange(6).view(2, 3)[:, 1:])
+
+
+@pytest.mark.parametrize("extra", [torch.float16, torch.device("cpu"), torch.zeros(2, dtype=torch.complex64)])
+def test_unsupported_values_are_refused_not_guessed(tmp_path, extra):
+    torch.save({"x": extra}, tmp_path / "x.pt")
+    with pytest.raises(Unsupported):
+        read_torch_zip(str(tmp_path / "x.pt"))
+
+
+def test_damaged_file_is_refused(fixtures, tmp_path):
+    data = (fixtures[2] / "fairseq" / "checkpoint_last-shard0.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(Unsupported):
+        read_torch_zip(str(tmp_path / "cut.pt"))
+
+
+def test_one_unreadable_file_sends_every_file_through_torch(fixtures, tmp_path):
+    """Rank 1 holds a value the reader refuses: all ranks then load with torch (one kind of dtype per run)."""
+    for r in range(3):
+        obj = torch.load(fixtures[3] / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True)
+        if r == 1:
+            obj["extra_state"]["device"] = torch.device("cpu")
+        torch.save(obj, tmp_path / f"checkpoint_last-shard{r}.pt")
+    ckpt = open_checkpoint(str(tmp_path), torch_free=True)
+    kinds = {type(leaf.dtype) for o in ckpt.objs for _, leaf in leaves(o) if isinstance(leaf, TensorRef)}
+    assert kinds == {torch.dtype}
+    consolidate(str(tmp_path), str(tmp_path / "a.safetensors"), progress=False)
+    consolidate(str(fixtures[3] / "fairseq"), str(tmp_path / "b.safetensors"), progress=False)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def _consolidate_cli(src, out, env_extra=None):
+    code = ("import sys; from ckptshard.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    env = dict(os.environ, **(env_extra or {}))
+    res = subprocess.run([sys.executable, "-c", code, "consolidate", src, "-o", out, "-q"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("which", ["fairseq-3", "vissl-4", "half", "frozen"])
+def test_safetensors_without_torch_equals_with_torch(fixtures, half_fixture, frozen_fixture, tmp_path, which):
+    src = {"fairseq-3": src_of(fixtures[3], "fairseq"), "vissl-4": src_of(fixtures[4], "vissl"),
+           "half": src_of(half_fixture, "metaseq"), "frozen": src_of(frozen_fixture, "fairseq")}[which]
+    assert _consolidate_cli(src, str(tmp_path / "fast.safetensors")) == "NO-TORCH"
+    assert _consolidate_cli(src, str(tmp_path / "torch.safetensors"), {"CKPTSHARD_TORCH_READER": "1"}) == "TORCH"
+    assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
+    fast = (tmp_path / "fast.safetensors.manifest.json").read_text().replace("fast.safetensors", "X")
+    slow = (tmp_path / "torch.safetensors.manifest.json").read_text().replace("torch.safetensors", "X")
+    assert fast == slow  # same fingerprint of the source, same checksums
