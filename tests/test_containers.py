@@ -5,6 +5,8 @@ user's own training loop would save them); every result must equal what the
 same data gives in the fairseq container, which the other tests hold to live
 fairscale.
 """
+import os
+
 import pytest
 import safetensors.torch
 import torch
@@ -49,11 +51,11 @@ def two_roots(f, v):
 LAYOUTS = {"docs_style": docs_style, "nested": nested, "two_roots": two_roots}
 
 
-def write_layout(fixtures, tmp_path, name):
+def write_layout(fixtures, tmp_path, name, file_name="ckpt-shard{}.pt"):
     folder = tmp_path / name
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     for r in range(WS):
-        torch.save(LAYOUTS[name](_fairseq(fixtures, r), _vissl(fixtures, r)), folder / f"ckpt-shard{r}.pt")
+        torch.save(LAYOUTS[name](_fairseq(fixtures, r), _vissl(fixtures, r)), folder / file_name.format(r))
     return folder
 
 
@@ -173,3 +175,26 @@ def test_refuses_two_unnamed_optimizers(fixtures, tmp_path):
 
     with pytest.raises(CheckpointError, match="several optimizer states"):
         open_checkpoint(_save_all(tmp_path, two_opts))
+
+
+@pytest.mark.parametrize("file_name", ["model_rank{}.pt", "rank-{}.pt", "ckpt_shard_{}.pt"])
+def test_rank_file_names(fixtures, tmp_path, file_name):
+    """A training loop's own per-rank names: "rank" counts where no name says "shard"."""
+    src = write_layout(fixtures, tmp_path, "docs_style", file_name)
+    want = [file_name.format(r) for r in range(WS)]
+    for given in (src, src / file_name.format(1)):
+        assert [os.path.basename(p) for p in open_checkpoint(str(given)).files.paths] == want, given
+    if "rank" in file_name:  # another rank-named group beside it: the folder is ambiguous, one named file is not
+        (src / "notes_rank0.txt").write_text("not a shard")
+        with pytest.raises(CheckpointError, match="holds several checkpoints"):
+            open_checkpoint(str(src))
+        assert [os.path.basename(p) for p in open_checkpoint(str(src / want[0])).files.paths] == want
+        (src / "notes_rank0.txt").unlink()
+    reshard(str(src), str(tmp_path / "out"), 2, progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".pt") == [file_name.format(r) for r in range(2)]
+
+
+def test_shard_names_win_over_rank_names(fixtures, tmp_path):
+    src = write_layout(fixtures, tmp_path, "docs_style")  # ckpt-shard{r}.pt
+    torch.save({"unrelated": 1}, src / "log_rank0.pt")
+    assert len(open_checkpoint(str(src)).files.paths) == WS

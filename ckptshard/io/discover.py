@@ -9,8 +9,10 @@ from typing import Dict, List, Optional, Tuple
 from ..errors import CheckpointError
 from .pickle_reader import Unsupported, read_torch_zip
 
-# "...shard3.pt", "..._shard3.torch", "...-shard03.pt": the rank follows "shard".
-_SHARD_RE = re.compile(r"^(?P<head>.*shard)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
+# "...shard3.pt", "..._shard3.torch", "...-shard03.pt", "..._shard_3.pt": the rank follows "shard".
+_SHARD_RE = re.compile(r"^(?P<head>.*shard[-_]?)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
+# A training loop's own naming ("model_rank3.pt", "rank-3.pt"), used only where no name says "shard".
+_RANK_RE = re.compile(r"^(?P<head>.*rank[-_]?)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
 
 
 @dataclass(frozen=True)
@@ -24,13 +26,20 @@ class ShardFiles:
         return f"{self.head}{rank}{self.tail}"
 
 
-def _group(names: List[str]) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
-    groups: Dict[Tuple[str, str], Dict[int, List[str]]] = {}
-    for n in names:
-        m = _SHARD_RE.match(n)
-        if m:
-            groups.setdefault((m["head"], m["tail"]), {}).setdefault(int(m["rank"]), []).append(n)
-    return groups
+def _group(names: List[str], patterns: Tuple["re.Pattern[str]", ...] = (_SHARD_RE, _RANK_RE)
+           ) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
+    """Shard names by (head, tail), then rank; the first pattern any name matches decides."""
+    for pattern in patterns:
+        groups: Dict[Tuple[str, str], Dict[int, List[str]]] = {}
+        for n in names:
+            m = pattern.match(n)
+            if m:
+                groups.setdefault((m["head"], m["tail"]), {}).setdefault(int(m["rank"]), []).append(n)
+        if groups:
+            return groups
+    return {}
+
+
 
 
 def _ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[str]]) -> Tuple[str, ...]:
@@ -75,7 +84,7 @@ def find_shards(src: str) -> ShardFiles:
     if os.path.isdir(src):
         groups = _group(sorted(os.listdir(src)))
         if not groups:
-            raise CheckpointError(f"{src}: no shard files (names like checkpoint-shard0.pt) in this folder")
+            raise CheckpointError(f"{src}: no shard files (names like checkpoint-shard0.pt or model_rank0.pt) in this folder")
         if len(groups) > 1:
             names = ", ".join(f"{h}*{t}" for h, t in sorted(groups))
             raise CheckpointError(f"{src}: holds several checkpoints ({names}): name one shard file instead")
@@ -96,11 +105,12 @@ def find_shards(src: str) -> ShardFiles:
         if len(paths) != len(names):
             raise CheckpointError(f"{src}: shard_list does not list ranks 0..{len(paths) - 1} exactly once")
         return ShardFiles(paths, head, tail, shard_list=os.path.abspath(src))
-    m = _SHARD_RE.match(name)
-    if not m:
+    pattern = next((p for p in (_SHARD_RE, _RANK_RE) if p.match(name)), None)
+    m = pattern.match(name) if pattern else None
+    if not m or not pattern:
         # A single file that names no rank: a world-size-1 checkpoint.
         stem, ext = os.path.splitext(name)
         return ShardFiles((os.path.abspath(src),), stem + "-shard", ext or ".pt")
-    groups = _group(sorted(os.listdir(folder)))
+    groups = _group(sorted(os.listdir(folder)), (pattern,))
     head, tail = m["head"], m["tail"]
     return ShardFiles(_ranks_to_paths(folder, head, tail, groups[(head, tail)]), head, tail)
