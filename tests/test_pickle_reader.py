@@ -114,3 +114,26 @@ def test_safetensors_without_torch_equals_with_torch(fixtures, half_fixture, fro
     fast = (tmp_path / "fast.safetensors.manifest.json").read_text().replace("fast.safetensors", "X")
     slow = (tmp_path / "torch.safetensors.manifest.json").read_text().replace("torch.safetensors", "X")
     assert fast == slow  # same fingerprint of the source, same checksums
+
+
+@pytest.mark.parametrize("which", ["fairseq-2", "vissl-3", "frozen"])
+def test_inspect_without_torch_equals_with_torch(fixtures, frozen_fixture, monkeypatch, which):
+    from ckptshard.execute.inspect import format_summary, inspect_checkpoint
+
+    src = {"fairseq-2": src_of(fixtures[2], "fairseq"), "vissl-3": src_of(fixtures[3], "vissl"),
+           "frozen": src_of(frozen_fixture, "metaseq")}[which]
+    fast = inspect_checkpoint(src)
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    slow = inspect_checkpoint(src)
+    assert fast == slow and format_summary(fast) == format_summary(slow)
+    assert fast["world_size"] > 1 and fast["parts"]
+
+
+def test_inspect_cli_imports_no_torch(fixtures):
+    code = ("import sys; from ckptshard.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    res = subprocess.run([sys.executable, "-c", code, "inspect", src_of(fixtures[3], "fairseq")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "world size  3" in res.stdout and res.stdout.strip().endswith("NO-TORCH")

@@ -1,17 +1,13 @@
 """``inspect``: what a sharded checkpoint holds, without reading tensor data."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List
 
-import torch
-
+from ..dtypes import dtype_name as _dtype
 from ..io.containers import container_summary
 from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..layout.chunking import padding
-
-
-def _dtype(d: torch.dtype) -> str:
-    return str(d).replace("torch.", "")
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -27,8 +23,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             for fp in inst.flat_params:
                 pad = [0 if inst.no_broadcast_optim_state else padding(fp.numel, M, r) for r in range(M)]
                 total_padding += sum(pad)
-                itemsize = torch.empty((), dtype=fp.dtype).element_size()
-                total_bytes += fp.numel * itemsize
+                total_bytes += fp.numel * fp.dtype.itemsize
                 fps.append({
                     "key": inst.local_key(fp),
                     "dtype": _dtype(fp.dtype),
@@ -89,6 +84,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
 
 def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     """A DCP folder, from its ``.metadata`` alone: every entry, its dtype, shape and chunks."""
+    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ..io.dcp import read_metadata
@@ -109,11 +105,10 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
 
 
 def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
-    from ..io.dcp import is_dcp
-
-    if is_dcp(src):
+    """Summary of a fairscale checkpoint (read without importing torch where possible) or a DCP folder."""
+    if os.path.isfile(os.path.join(src, ".metadata")):  # io.dcp.is_dcp, without importing torch for the rest
         return summarize_dcp(src, trust_pickles)
-    return summarize(open_checkpoint(src, trust_pickles))
+    return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
 
 
 def _format_dcp(s: Dict[str, Any]) -> str:
