@@ -16,6 +16,21 @@ from typing import Iterator
 from ..errors import CheckpointError
 
 
+def open_empty(path: str) -> int:
+    """Open ``path`` for writing from empty, creating it: a read-write fd.
+
+    Not ``O_TRUNC``: truncating an existing (even empty) file makes ext4 flush
+    the whole file when it is closed (its ``auto_da_alloc`` guard for
+    replace-by-truncate), which cost 0.75 s per 2 GiB output, serialised
+    before the fsync. The temporaries from :func:`atomic_output` exist and
+    are empty; only a file that holds bytes is truncated.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if os.fstat(fd).st_size:
+        os.ftruncate(fd, 0)
+    return fd
+
+
 def check_output(final: str, overwrite: bool, inputs: tuple = ()) -> None:
     """Refuse an output that exists (unless ``overwrite``) or that is an input."""
     final_abs = os.path.realpath(final)

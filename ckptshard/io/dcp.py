@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import metadata as dmd
 from ..errors import CheckpointError
 from ..layout.boxes import box_runs, numel
 from ..plan.dcp import Chunk, DcpPlan, TensorEntry
+from .atomic import open_empty
 from .fill import Copier, Fill, Progress, Source, as_fill
 from .hashing import Hashes
 from .safe_load import TensorRef, _to_refs, safe_torch_load
@@ -149,7 +150,7 @@ def data_files(plan: DcpPlan) -> List[List[Item]]:
 def write_data_file(path: str, items: List[Item], copier: Copier, progress: Optional[Progress] = None,
                     hashes: Optional[Hashes] = None) -> List[Tuple[int, int]]:
     """Write one data file, front to back; returns each item's (offset, length)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_empty(path)
     watch = hashes.watch(path) if hashes else None
     placed, end = [], 0
     try:

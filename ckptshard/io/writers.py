@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from ..dtypes import SAFETENSORS_CODE, dtype_name, to_torch
 from ..errors import CheckpointError
+from .atomic import open_empty
 from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
@@ -157,7 +158,7 @@ def write_safetensors(
     """One safetensors file; tied tensors are stored as separate copies, as the format requires."""
     head, offsets = _safetensors_header(tensors, metadata)
     total = len(head) + sum(f.nbytes for f in tensors.values())
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_empty(path)
     watch = hashes.watch(path) if hashes else None  # the file exists from here
     try:
         os.pwrite(fd, head, 0)
