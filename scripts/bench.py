@@ -111,6 +111,8 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("cp -r", ["cp", "-r", src, out]),
         # The floor under every ckptshard row: starting Python and importing torch.
         ("python -c 'import torch' (floor)", [PY, "-c", "import torch"]),
+        # The floor where torch is not imported (consolidate -> safetensors).
+        ("python -c 'import ckptshard.cli' (floor without torch)", [PY, "-c", "import ckptshard.cli"]),
         # ckptshard fsyncs what it writes; cp -r leaves that to the (untimed) next sync.
         ("cp -r && sync (durable, like ckptshard)", ["sh", "-c", f"cp -r '{src}' '{out}' && sync"]),
         ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
