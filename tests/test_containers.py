@@ -99,13 +99,17 @@ def _assert_optim_equal(got, want, what):
             assert torch.equal(torch.as_tensor(got["state"][pid][k]), torch.as_tensor(v)), (what, pid, k)
 
 
-def test_nested_container_reshards_like_fairseq(fixtures, tmp_path):
-    src = write_layout(fixtures, tmp_path, "nested")
-    reshard(str(src), str(tmp_path / "got"), 2, progress=False)
-    reshard(src_of(fixtures[WS], "fairseq"), str(tmp_path / "want"), 2, progress=False)
+def resharded_pairs(fixtures, tmp_path, layout, container, want_name):
+    """Rank by rank at world size 2: (the generic layout resharded, the same data resharded in ``container``)."""
+    reshard(str(write_layout(fixtures, tmp_path, layout)), str(tmp_path / "got"), 2, progress=False)
+    reshard(src_of(fixtures[WS], container), str(tmp_path / "want"), 2, progress=False)
     for r in range(2):
-        got = torch.load(tmp_path / "got" / f"ckpt-shard{r}.pt", weights_only=True)
-        want = torch.load(tmp_path / "want" / f"checkpoint_last-shard{r}.pt", weights_only=True)
+        yield r, (torch.load(tmp_path / "got" / f"ckpt-shard{r}.pt", weights_only=True),
+                  torch.load(tmp_path / "want" / want_name.format(r), weights_only=True))
+
+
+def test_nested_container_reshards_like_fairseq(fixtures, tmp_path):
+    for r, (got, want) in resharded_pairs(fixtures, tmp_path, "nested", "fairseq", "checkpoint_last-shard{}.pt"):
         assert got.keys() == {"run", "opt", "step"} and got["step"] == 3
         _assert_tensor_dicts_equal(got["run"]["net"], want["model"], r)
         assert got["run"]["net_fsdp"] == want["fsdp_metadata"]
@@ -113,12 +117,7 @@ def test_nested_container_reshards_like_fairseq(fixtures, tmp_path):
 
 
 def test_two_roots_reshard_like_vissl(fixtures, tmp_path):
-    src = write_layout(fixtures, tmp_path, "two_roots")
-    reshard(str(src), str(tmp_path / "got"), 2, progress=False)
-    reshard(src_of(fixtures[WS], "vissl"), str(tmp_path / "want"), 2, progress=False)
-    for r in range(2):
-        got = torch.load(tmp_path / "got" / f"ckpt-shard{r}.pt", weights_only=True)
-        want = torch.load(tmp_path / "want" / f"model_phase2_shard{r}.torch", weights_only=True)
+    for r, (got, want) in resharded_pairs(fixtures, tmp_path, "two_roots", "vissl", "model_phase2_shard{}.torch"):
         base = want["classy_state_dict"]["base_model"]
         _assert_tensor_dicts_equal(got["trunk"], base["model"]["trunk"], r)
         _assert_tensor_dicts_equal(got["heads"], base["model"]["heads"][0], r)

@@ -137,3 +137,18 @@ def test_inspect_cli_imports_no_torch(fixtures):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "world size  3" in res.stdout and res.stdout.strip().endswith("NO-TORCH")
+
+
+def test_parameters_views_and_shared_storage(tmp_path):
+    base = torch.arange(20, dtype=torch.float32)
+    obj = {"p": torch.nn.Parameter(torch.randn(3, 2)), "view": base[5:10], "same": base, "col": base.view(4, 5)[:, 2],
+           "h": torch.ones(4, dtype=torch.float16), "nested": [({"a": base[1:3]},)]}
+    torch.save(obj, tmp_path / "x.pt")
+    got, want = read_torch_zip(str(tmp_path / "x.pt")), load_lazy(str(tmp_path / "x.pt"))
+    assert_same_tree(got, want, "x.pt")
+    for path, ref in leaves(got):
+        if isinstance(ref, TensorRef):  # and the bytes read back are the tensor saved
+            saved = obj
+            for k in path:
+                saved = saved[k]
+            assert torch.equal(ref.read(), saved.detach()), path

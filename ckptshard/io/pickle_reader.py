@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Tuple
 
 from ..dtypes import STORAGE_CLASSES, StoredDType
 from .safe_load import TensorRef
+from .tree import map_leaves
 
 
 class Unsupported(Exception):
@@ -116,25 +117,19 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _to_refs(path: str, obj: Any) -> Any:
-    if isinstance(obj, _Tensor):
-        storage, offset, shape, stride = obj.storage, obj.offset, obj.shape, obj.stride
-        ref = TensorRef(path, storage.offset + offset * storage.dtype.itemsize, storage.dtype, shape, stride)
-        span = (offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride))) * storage.dtype.itemsize
-        if ref.numel and span > storage.nbytes:
-            raise Unsupported("tensor larger than its storage")
-        return ref
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            out[k] = _to_refs(path, v)
-        return out
-    if isinstance(obj, list):
-        return [_to_refs(path, v) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_to_refs(path, v) for v in obj)
-    if isinstance(obj, (_Storage, _StorageType, _TensorType)):
-        raise Unsupported("a bare storage or type in the tree")
-    return obj
+    def leaf(x: Any) -> Any:
+        if isinstance(x, _Tensor):
+            ref = TensorRef(path, x.storage.offset + x.offset * x.storage.dtype.itemsize, x.storage.dtype, x.shape,
+                            x.stride)
+            span = (x.offset + 1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride))) * x.storage.dtype.itemsize
+            if ref.numel and span > x.storage.nbytes:
+                raise Unsupported("tensor larger than its storage")
+            return ref
+        if isinstance(x, (_Storage, _StorageType, _TensorType)):
+            raise Unsupported("a bare storage or type in the tree")
+        return x
+
+    return map_leaves(obj, leaf)
 
 
 def read_torch_zip(path: str) -> Any:
