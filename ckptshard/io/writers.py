@@ -17,6 +17,7 @@ from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
 from .tree import leaves, map_leaves
+from .zip_crc import CrcFixer
 
 if TYPE_CHECKING:
     import torch
@@ -115,10 +116,14 @@ def write_torch(
     watch = hashes.watch(path) if hashes else None
     fd = os.open(path, os.O_RDWR)
     try:
+        crcs = CrcFixer(path, fd)
         for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
             if watch:
                 watch(offset)
             copier.fill(fd, offset, fill, progress)
+            if fill.nbytes:
+                crcs.filled(offset)
+        crcs.finish()
     finally:
         os.close(fd)
     if hashes:

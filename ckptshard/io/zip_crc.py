@@ -1,0 +1,98 @@
+"""Correct CRC-32s for the tensor records of a torch.save file filled in place.
+
+``torch.save`` under ``skip_data`` writes each tensor's zip record with CRC
+0 (in the data descriptor that follows the data and in the central
+directory). torch.load does not check them, but every zip tool does
+(``unzip -t``, Python's ``zipfile``), so a filled file would look corrupt.
+After a record is filled its CRC is computed from the bytes in place and
+written into its data descriptor, which lies after the data, so
+front-to-back hashing (io/hashing.py) still sees each byte only when it is
+final; the central directory is patched last. (A record without a data
+descriptor keeps its CRC in the local header, before the data: correct, but
+hashing then trails the patch, which only torch.save's layout avoids.)
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL_SIG = 0x02014B50
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+_BLOCK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    data_start: int
+    size: int
+    local_crc: int  # where the record's CRC goes before the central directory: descriptor or local header
+    central_crc: int  # where the CRC of the central directory entry is
+
+
+def records(path: str) -> Dict[int, Record]:
+    """Every stored record of the zip at ``path``, by the offset its data starts at."""
+    out: Dict[int, Record] = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+        infos = zf.infolist()
+        central = zf.start_dir
+        entries: List[int] = []
+        for _ in infos:
+            f.seek(central)
+            head = f.read(46)
+            if struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
+                raise ValueError(f"{path}: unexpected central directory layout")
+            n, e, c = struct.unpack_from("<HHH", head, 28)
+            entries.append(central + 16)
+            central += 46 + n + e + c
+        for info, crc_at in zip(infos, entries):
+            if info.compress_type != zipfile.ZIP_STORED:
+                continue
+            f.seek(info.header_offset)
+            local = _LOCAL.unpack(f.read(_LOCAL.size))
+            start = info.header_offset + _LOCAL.size + local[9] + local[10]
+            local_crc = info.header_offset + 14
+            if local[2] & 0x8:  # sizes and CRC follow the data (torch.save's layout)
+                f.seek(start + info.compress_size)
+                local_crc = start + info.compress_size + (4 if f.read(4) == _DESCRIPTOR_SIG else 0)
+            out[start] = Record(info.filename, start, info.file_size, local_crc, crc_at)
+    return out
+
+
+def crc_of(fd: int, start: int, size: int, buf: bytearray) -> int:
+    crc, view = 0, memoryview(buf)
+    while size > 0:
+        got = os.preadv(fd, [view[: min(size, len(buf))]], start)
+        if got <= 0:
+            raise OSError(f"short read at byte {start}")
+        crc = zlib.crc32(view[:got], crc)
+        start, size = start + got, size - got
+    return crc
+
+
+class CrcFixer:
+    """Call :meth:`filled` after each record is complete, :meth:`finish` once all are."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self._records = records(path)
+        self._fd = fd
+        self._buf = bytearray(_BLOCK)
+        self._done: Dict[int, int] = {}
+
+    def filled(self, data_start: int) -> None:
+        rec = self._records.get(data_start)
+        if rec is None:
+            raise AssertionError(f"no zip record starts at byte {data_start}")
+        crc = crc_of(self._fd, rec.data_start, rec.size, self._buf)
+        os.pwrite(self._fd, struct.pack("<I", crc), rec.local_crc)
+        self._done[data_start] = crc
+
+    def finish(self) -> None:
+        for start, crc in self._done.items():
+            os.pwrite(self._fd, struct.pack("<I", crc), self._records[start].central_crc)
+
