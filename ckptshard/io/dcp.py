@@ -18,6 +18,7 @@ import functools
 import io
 import os
 import pickle
+import struct
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -31,6 +32,7 @@ from .fill import Copier, Fill, Progress, Source, as_fill
 from .hashing import Hashes
 from .safe_load import TensorRef, _to_refs, safe_torch_load
 from .writers import placeholder
+from .zip_crc import crc_of
 
 METADATA = ".metadata"
 DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was written
@@ -91,10 +93,13 @@ class _FrameRecorder(io.RawIOBase):
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_frame(sizes: Tuple[int, ...], dtype: torch.dtype) -> Tuple[Tuple[Tuple[int, bytes], ...], int, int]:
-    """torch.save's frame for one tensor: (runs of bytes, where its data starts, total length).
+def tensor_frame(sizes: Tuple[int, ...], dtype: torch.dtype
+                 ) -> Tuple[Tuple[Tuple[int, bytes], ...], int, int, Tuple[int, ...]]:
+    """torch.save's frame for one tensor: (runs of bytes, where its data starts, total length,
+    where the data's CRC-32 goes).
 
-    The frame depends on shape and dtype alone, so chunks of one shape share it.
+    The frame depends on shape and dtype alone, so chunks of one shape share
+    it; the CRC (0 under skip_data) is written per chunk (io/zip_crc.py).
     """
     rec = _FrameRecorder()
     with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -104,17 +109,43 @@ def tensor_frame(sizes: Tuple[int, ...], dtype: torch.dtype) -> Tuple[Tuple[Tupl
     if nbytes and len(holes) != 1:
         raise AssertionError(f"torch.save left {len(holes)} holes of {nbytes} bytes for one tensor")
     data_at = holes[0] if nbytes else rec.end
-    return tuple((at, bytes(b)) for at, b in rec.runs), data_at, rec.end
+    runs = tuple((at, bytes(b)) for at, b in rec.runs)
+    return runs, data_at, rec.end, _crc_positions(runs, data_at + nbytes) if nbytes else ()
+
+
+def _crc_positions(runs: Tuple[Tuple[int, bytes], ...], data_end: int) -> Tuple[int, ...]:
+    """In a one-tensor frame: the CRC fields of the data record's descriptor and central directory entry."""
+    after = next(b for at, b in runs if at == data_end)
+    descriptor = data_end + (4 if after[:4] == b"PK\x07\x08" else 0)
+    central = []
+    for at, b in runs:
+        pos = b.find(b"PK\x01\x02")
+        while pos >= 0:
+            n = struct.unpack_from("<H", b, pos + 28)[0]
+            if b[pos + 46 : pos + 46 + n].endswith(b"/data/0"):
+                central.append(at + pos + 16)
+            pos = b.find(b"PK\x01\x02", pos + 4)
+    if len(central) != 1:
+        raise AssertionError("torch.save frame without exactly one central directory entry for data/0")
+    return descriptor, central[0]
 
 
 def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress]) -> int:
-    """One chunk's torch.save frame at byte ``at``, data copied in; returns its length."""
-    runs, data_at, length = tensor_frame(tuple(chunk.sizes), chunk.fill.dtype)
+    """One chunk's torch.save frame at byte ``at``, data copied in and its CRC set; returns its length."""
+    runs, data_at, length, crc_at = tensor_frame(tuple(chunk.sizes), chunk.fill.dtype)
     for pos, data in runs:
         os.pwrite(fd, data, at + pos)
     if chunk.fill.nbytes:
         copier.fill(fd, at + data_at, chunk.fill, progress)
+        crc = struct.pack("<I", crc_of(fd, at + data_at, chunk.fill.nbytes, _crc_buffer()))
+        for pos in crc_at:
+            os.pwrite(fd, crc, at + pos)
     return length
+
+
+@functools.lru_cache(maxsize=1)
+def _crc_buffer() -> bytearray:
+    return bytearray(8 << 20)
 
 
 Item = Any  # a Chunk, or (name, value) for a non-tensor entry
