@@ -1,4 +1,4 @@
-"""Element types known by name, so that planning and copying need no torch.
+"""Element types known by name, and torch.Size, so that planning and copying need no torch.
 
 A dtype here is either a ``torch.dtype`` or a :class:`StoredDType`, the
 stand-in the torch-free reader (``io/pickle_reader.py``) gives: both have
@@ -74,3 +74,17 @@ def unpack_scalar(dtype: Any, raw: bytes) -> Any:
         return struct.unpack("<f", b"\0\0" + raw)[0]
     fmt = _STRUCT.get(name)
     return struct.unpack(fmt, raw)[0] if fmt else None
+
+
+class Size(tuple):
+    """``torch.Size`` without torch: a tuple that prints as torch's does and is saved as one."""
+
+    def __repr__(self) -> str:
+        return f"torch.Size({list(self)})"
+
+    def __reduce__(self) -> Any:
+        # Any other pickler (torch.save, pickle) writes a torch.Size; io/torch_save.py
+        # writes the same global without importing torch.
+        import torch
+
+        return (torch.Size, (tuple(self),))

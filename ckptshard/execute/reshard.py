@@ -5,8 +5,6 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier
@@ -15,6 +13,7 @@ from ..io.full_state import full_state_refs
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
+from ..io.torch_save import save_plain
 from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
@@ -78,7 +77,7 @@ def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], s
     names = list(names)
     if template.container.kind == "vissl":
         list_name = shard_list_name(template)
-        torch.save({"type": "shard_list", "shards": names}, os.path.join(folder, list_name))
+        save_plain(os.path.join(folder, list_name), {"type": "shard_list", "shards": names})
         names.append(list_name)
     write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], hashes))
     return names
@@ -117,7 +116,7 @@ def reshard(
     ``optimizer=False`` leaves the optimizer state out (weights, buffers and the rest of the container only).
     """
     _check_world_size(world_size)
-    ckpt = open_checkpoint(src, trust_pickles)
+    ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths)))
     # Plan every rank first: a bad input fails here, before any byte is written.
     trees = [resharded_file(ckpt, world_size, r, optimizer) for r in range(world_size)]

@@ -6,8 +6,6 @@ import os
 import struct
 from typing import Any, Dict, Mapping
 
-import torch
-
 from ..dtypes import SAFETENSORS_CODE
 from ..errors import CheckpointError
 from .safe_load import TensorRef, load_lazy
@@ -41,6 +39,8 @@ def safetensors_refs(path: str) -> Dict[str, TensorRef]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        import torch  # full state dicts feed torch writers (shard); their dtypes are torch's
+
         dtype_name = _DTYPE_OF_CODE.get(info.get("dtype"))
         if dtype_name is None or not hasattr(torch, dtype_name):
             raise CheckpointError(f"{path}: {name}: unsupported dtype {info.get('dtype')}")

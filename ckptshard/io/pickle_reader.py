@@ -19,20 +19,13 @@ import struct
 import zipfile
 from typing import Any, Callable, Dict, Tuple
 
-from ..dtypes import STORAGE_CLASSES, StoredDType
+from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from .safe_load import TensorRef
 from .tree import map_leaves
 
 
 class Unsupported(Exception):
     """The file uses something this reader does not handle: use torch.load."""
-
-
-class Size(tuple):
-    """``torch.Size`` read without torch: a tuple that prints as torch's does."""
-
-    def __repr__(self) -> str:
-        return f"torch.Size({list(self)})"
 
 
 class _StorageType:

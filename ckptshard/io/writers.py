@@ -10,13 +10,15 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
-from ..dtypes import SAFETENSORS_CODE, dtype_name, to_torch
+from ..dtypes import SAFETENSORS_CODE, Size, StoredDType, dtype_name, to_torch
 from ..errors import CheckpointError
 from .atomic import open_empty
 from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
 from .tree import leaves, map_leaves
+from .pickle_reader import Unsupported
+from .torch_save import write_skeleton
 from .zip_crc import CrcFixer
 
 if TYPE_CHECKING:
@@ -76,10 +78,41 @@ def write_torch(
 ) -> None:
     """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
 
-    The pickle is written by torch itself (``skip_data`` over placeholder tensors),
-    so any torch can read the file; tensor bytes are then filled in place,
-    front to back (``hashes`` hashes what is final while the rest is copied).
+    The file is laid out without torch (``torch_save.write_skeleton``) where
+    the tree was read without it, else by torch itself (``skip_data`` over
+    placeholder tensors); either way any torch reads it. Tensor bytes are
+    then filled in place, front to back, each record's CRC set (``hashes``
+    hashes what is final while the rest is copied).
     """
+    fills = _fills_in(tree)
+    targets: Optional[Dict[int, Tuple[int, Fill]]] = None
+    if all(isinstance(f.dtype, StoredDType) for f in fills):  # read without torch: write without it too
+        try:
+            offsets = write_skeleton(path, tree)
+            targets = {id(f): (offsets[id(f)], f) for f in fills}
+        except Unsupported:
+            targets = None
+    if targets is None:
+        targets = _torch_skeleton(path, tree, trust_pickles)
+    watch = hashes.watch(path) if hashes else None
+    fd = os.open(path, os.O_RDWR)
+    try:
+        crcs = CrcFixer(path, fd)
+        for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
+            if watch:
+                watch(offset)
+            copier.fill(fd, offset, fill, progress)
+            if fill.nbytes:
+                crcs.filled(offset)
+        crcs.finish()
+    finally:
+        os.close(fd)
+    if hashes:
+        hashes.complete(path)
+
+
+def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tuple[int, "Fill"]]:
+    """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id."""
     import torch
 
     fakes: Dict[int, torch.Tensor] = {}
@@ -87,6 +120,8 @@ def write_torch(
     def to_fake(leaf: Any) -> Any:
         if isinstance(leaf, TensorRef):
             raise AssertionError("TensorRef left in an output tree: wrap it in a Fill")
+        if isinstance(leaf, Size):
+            return torch.Size(leaf)
         if not isinstance(leaf, Fill):
             return leaf
         if id(leaf) not in fakes:
@@ -113,21 +148,7 @@ def write_torch(
         base = meta.untyped_storage()._checkpoint_offset
         targets[id(leaf)] = (int(base) + meta.storage_offset() * meta.element_size(), leaf)
     del placed
-    watch = hashes.watch(path) if hashes else None
-    fd = os.open(path, os.O_RDWR)
-    try:
-        crcs = CrcFixer(path, fd)
-        for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
-            if watch:
-                watch(offset)
-            copier.fill(fd, offset, fill, progress)
-            if fill.nbytes:
-                crcs.filled(offset)
-        crcs.finish()
-    finally:
-        os.close(fd)
-    if hashes:
-        hashes.complete(path)
+    return targets
 
 
 def _safetensors_header(tensors: Mapping[str, Fill], metadata: Optional[Mapping[str, str]]) -> Tuple[bytes, Dict[str, int]]:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
+from ..dtypes import Size
 from ..errors import CheckpointError
 from .chunking import chunk_size, padding
 
@@ -200,8 +201,6 @@ def layout_from_metadata(
 
 def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
     """The ``local_metadata_dict()`` FSDP at ``world_size`` writes on ``rank``."""
-    import torch  # shapes are torch.Size there; only writers of metadata need it
-
     entries = []
     for inst in part.instances:
         entry: Dict[str, Any] = {"fsdp_path": inst.path, "params": {}}
@@ -210,7 +209,7 @@ def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
         for fp in inst.flat_params:
             entry["params"][fp.key] = {
                 "names": [m.name for m in fp.members],
-                "shapes": [torch.Size(m.shape) for m in fp.members],
+                "shapes": [Size(m.shape) for m in fp.members],  # torch.Size once saved
                 "numels": [m.numel for m in fp.members],
                 "padding": 0 if inst.no_broadcast_optim_state else padding(fp.numel, world_size, rank),
             }

@@ -1,0 +1,100 @@
+"""The torch-free torch.save writer: what torch.load reads back equals the torch-written file."""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from ckptshard.dtypes import Size, StoredDType
+from ckptshard.execute.consolidate import consolidate
+from ckptshard.execute.reshard import reshard
+from ckptshard.io.fill import Fill
+from ckptshard.io.pickle_reader import Unsupported
+from ckptshard.io.torch_save import ALIGN, write_skeleton
+from ckptshard.io.tree import leaves
+from conftest import src_of
+
+
+def assert_same_loaded(a_path, b_path):
+    a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
+    la, lb = list(leaves(a)), list(leaves(b))
+    assert [p for p, _ in la] == [p for p, _ in lb], a_path
+    for (path, x), (_, y) in zip(la, lb):
+        assert type(x) is type(y), (a_path, path, type(x), type(y))
+        if torch.is_tensor(y):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.stride() == y.stride(), (a_path, path)
+            assert torch.equal(x, y), (a_path, path)
+        else:
+            assert x == y, (a_path, path)
+    with zipfile.ZipFile(a_path) as z:
+        assert z.testzip() is None
+        assert {n.split("/", 1)[1] for n in z.namelist()} == {n.split("/", 1)[1] for n in zipfile.ZipFile(b_path).namelist()}
+    torch.load(a_path, weights_only=True, mmap=True)  # data aligned as torch's mmap loading needs
+
+
+@pytest.mark.parametrize("which", ["fairseq", "metaseq", "vissl", "half", "frozen"])
+def test_reshard_without_torch_equals_with_torch(fixtures, half_fixture, frozen_fixture, tmp_path, monkeypatch, which):
+    src = {"half": src_of(half_fixture, "metaseq"), "frozen": src_of(frozen_fixture, "fairseq")}.get(which) \
+        or src_of(fixtures[3], which)
+    reshard(src, str(tmp_path / "fast"), 2, progress=False)
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    reshard(src, str(tmp_path / "torch"), 2, progress=False)
+    names = sorted(n for n in os.listdir(tmp_path / "torch") if n != "ckptshard-manifest.json")
+    assert names == sorted(n for n in os.listdir(tmp_path / "fast") if n != "ckptshard-manifest.json")
+    for n in names:
+        assert_same_loaded(tmp_path / "fast" / n, tmp_path / "torch" / n)
+
+
+def test_consolidate_container_and_optimizer_without_torch(fixtures, tmp_path, monkeypatch):
+    src = src_of(fixtures[2], "fairseq")
+    consolidate(src, str(tmp_path / "fast.pt"), container=True, progress=False)
+    consolidate(src, str(tmp_path / "fast2.pt"), optimizer=True, progress=False)
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    consolidate(src, str(tmp_path / "torch.pt"), container=True, progress=False)
+    consolidate(src, str(tmp_path / "torch2.pt"), optimizer=True, progress=False)
+    assert_same_loaded(tmp_path / "fast.pt", tmp_path / "torch.pt")
+    assert_same_loaded(tmp_path / "fast2.pt", tmp_path / "torch2.pt")
+    assert_same_loaded(tmp_path / "fast2.optim.pt", tmp_path / "torch2.optim.pt")
+
+
+def test_reshard_cli_imports_no_torch(fixtures, tmp_path):
+    code = ("import sys; from ckptshard.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    res = subprocess.run([sys.executable, "-c", code, "reshard", src_of(fixtures[3], "vissl"), "-n", "2", "-o",
+                          str(tmp_path / "out"), "-q"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
+
+
+def test_layout_matches_torch_save(tmp_path):
+    """Records, alignment and the pickle's values, against torch.save of the same tree."""
+    f32, i64 = StoredDType("float32"), StoredDType("int64")
+    a, b = Fill((2, 3), f32, ()), Fill((0,), i64, ())
+    tree = {"w": a, "tied": a, "empty": b, "meta": {"shapes": [Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1,
+                                                   "s": "é", "b": b"\x00\xff", "none": None, "t": (1, True)}}
+    offsets = write_skeleton(str(tmp_path / "ours.pt"), tree)
+    assert all(off % ALIGN == 0 for off in offsets.values()) and len(offsets) == 2
+    torch.save({"w": torch.zeros(2, 3), "empty": torch.zeros(0, dtype=torch.int64),
+                "meta": {"shapes": [torch.Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1, "s": "é", "b": b"\x00\xff",
+                         "none": None, "t": (1, True)}}, tmp_path / "theirs.pt")
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    assert ours["tied"] is ours["w"]  # a tie stays one tensor
+    assert torch.equal(ours["w"], theirs["w"]) and ours["empty"].dtype == torch.int64
+    assert ours["meta"] == theirs["meta"] and type(ours["meta"]["shapes"][0]) is torch.Size
+
+
+@pytest.mark.parametrize("bad", [Fill((2,), torch.float32, ()), object(), Fill((1,), StoredDType("complex64"), ())])
+def test_refuses_what_it_cannot_write(tmp_path, bad):
+    with pytest.raises(Unsupported):
+        write_skeleton(str(tmp_path / "x.pt"), {"x": bad})
+
+
+def test_files_of_4_gib_go_through_torch(tmp_path):
+    """zip64 is torch's job: a skeleton that would pass 4 GiB is refused before any offset overflows."""
+    big = Fill((2**30 + 1,), StoredDType("float32"), ())
+    with pytest.raises(Unsupported, match="zip64"):
+        write_skeleton(str(tmp_path / "x.pt"), {"a": Fill((10,), StoredDType("float32"), ()), "big": big})
