@@ -82,7 +82,8 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
             self.memoize(obj)
             return
-        if isinstance(obj, Size):
+        if isinstance(obj, Size) or (type(obj).__name__ == "Size" and type(obj).__module__ == "torch"):
+            # Size pickles as torch.Size elsewhere, so a tree sent to a --jobs worker holds torch.Size.
             self.save_reduce(_Global.of("torch", "Size"), (tuple(obj),), obj=obj)
             return
         if isinstance(obj, Fill):
