@@ -197,3 +197,18 @@ def test_shard_names_win_over_rank_names(fixtures, tmp_path):
     src = write_layout(fixtures, tmp_path, "docs_style")  # ckpt-shard{r}.pt
     torch.save({"unrelated": 1}, src / "log_rank0.pt")
     assert len(open_checkpoint(str(src)).files.paths) == WS
+
+
+def test_two_roots_container_output_holds_each_roots_full_weights(fixtures, tmp_path):
+    """--container puts each root's full state dict where its shards were, and drops every metadata."""
+    src = write_layout(fixtures, tmp_path, "two_roots")
+    consolidate(str(src), str(tmp_path / "c.pt"), container=True, optimizer=True, progress=False)
+    consolidate(src_of(fixtures[WS], "vissl"), str(tmp_path / "v.pt"), container=True, optimizer=True,
+                progress=False)
+    got = torch.load(tmp_path / "c.pt", weights_only=True)
+    want = torch.load(tmp_path / "v.pt", weights_only=True)
+    assert set(got) == {"trunk", "heads", "optimizer"}  # no metadata left
+    base = want["classy_state_dict"]["base_model"]["model"]
+    _assert_tensor_dicts_equal(got["trunk"], base["trunk"], "trunk")
+    _assert_tensor_dicts_equal(got["heads"], base["heads"][0], "heads")
+    _assert_optim_equal(got["optimizer"], want["classy_state_dict"]["optimizer"]["optim"], "optim")

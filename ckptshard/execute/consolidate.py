@@ -47,17 +47,17 @@ def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Opt
     """The source framework's own consolidated checkpoint around the full weights."""
     c = ckpt.container
     tree = copy_tree(ckpt.objs[0])
+    if len(c.parts) > 1:  # each root's full weights where its shards were, names relative to it
+        for spec, sd in zip(c.parts, split_by_part(ckpt, weights)):
+            set_path(tree, spec.weights, sd)
+    else:
+        set_path(tree, c.parts[0].weights, weights)
     if c.kind == "vissl":
         tree["type"] = "consolidated"
-        per_part = split_by_part(ckpt, weights)
-        for spec, sd in zip(c.parts, per_part):
-            set_path(tree, spec.weights, sd)
-        base = get_path(tree, ("classy_state_dict", "base_model"))
-        base.pop("meta", None)
+        get_path(tree, ("classy_state_dict", "base_model")).pop("meta", None)
     else:
-        spec = c.parts[0]
-        set_path(tree, spec.weights, weights)
-        get_path(tree, spec.metadata[:-1]).pop(spec.metadata[-1])
+        for spec in c.parts:
+            get_path(tree, spec.metadata[:-1]).pop(spec.metadata[-1])
     if c.optimizer is not None:
         if optim is None:
             get_path(tree, c.optimizer[:-1]).pop(c.optimizer[-1])

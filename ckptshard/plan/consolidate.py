@@ -48,7 +48,7 @@ def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
 
 
 def split_by_part(ckpt: ShardedCheckpoint, tensors: Dict[str, Fill]) -> List[Dict[str, Fill]]:
-    """The same tensors, one dict per part, names relative to the part (for VISSL containers)."""
+    """The same tensors, one dict per part, names relative to the part (containers with several FSDP roots)."""
     out: List[Dict[str, Fill]] = []
     for part in ckpt.layout.parts:
         out.append({k[len(part.prefix):]: v for k, v in tensors.items() if k.startswith(part.prefix)})
