@@ -8,17 +8,10 @@ from typing import Any, Dict, Mapping
 
 from ..dtypes import SAFETENSORS_CODE
 from ..errors import CheckpointError
+from ..layout.boxes import strides
 from .safe_load import TensorRef, load_lazy
 
 _DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
-
-
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def safetensors_refs(path: str) -> Dict[str, TensorRef]:
@@ -47,7 +40,7 @@ def safetensors_refs(path: str) -> Dict[str, TensorRef]:
         dtype = getattr(torch, dtype_name)
         begin, end = info["data_offsets"]
         shape = tuple(int(s) for s in info["shape"])
-        ref = TensorRef(path, 8 + n + begin, dtype, shape, _contiguous_stride(shape))
+        ref = TensorRef(path, 8 + n + begin, dtype, shape, strides(shape))
         if ref.nbytes != end - begin or 8 + n + end > size:
             raise CheckpointError(f"{path}: {name}: data offsets do not fit shape or file (truncated?)")
         out[name] = ref

@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
+import io
 import pickle
-import struct
 import zipfile
 from typing import Any, Callable, Dict, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from .safe_load import TensorRef
 from .tree import map_leaves
+from .zip_crc import data_start
 
 
 class Unsupported(Exception):
@@ -85,13 +86,10 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
 }
 _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.items()}
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, data: bytes, storage: Callable[[str, StoredDType], _Storage]) -> None:
-        import io
-
         super().__init__(io.BytesIO(data))
         self._storage = storage
 
@@ -148,11 +146,7 @@ def read_torch_zip(path: str) -> Any:
                     info = zf.getinfo(f"{prefix}data/{key}")
                     if info.compress_type != zipfile.ZIP_STORED:
                         raise Unsupported("compressed tensor data")
-                    raw.seek(info.header_offset)
-                    head = _LOCAL_HEADER.unpack(raw.read(_LOCAL_HEADER.size))
-                    if head[0] != 0x04034B50:
-                        raise Unsupported("bad local header")
-                    start = info.header_offset + _LOCAL_HEADER.size + head[9] + head[10]
+                    start, _ = data_start(raw, info)
                     seen[key] = _Storage(dtype, start, info.file_size)
                 if seen[key].dtype != dtype:
                     raise Unsupported("one storage read as two dtypes")

@@ -75,9 +75,9 @@ def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> 
 def open_checkpoint(src: str, trust_pickles: bool = False, torch_free: bool = False) -> ShardedCheckpoint:
     """Open ``src`` (folder, shard file or VISSL shard_list) for reading.
 
-    ``torch_free``: read the pickles without importing torch where possible,
-    for outputs that need no torch (safetensors); tensors' dtypes are then
-    StoredDTypes.
+    ``torch_free``: read the pickles without importing torch where possible
+    (inspect, consolidate, reshard); tensors' dtypes are then StoredDTypes,
+    and the writers lay out .pt files without torch too.
     """
     files = find_shards(src)
     objs = _load_all(files.paths, trust_pickles, torch_free)

@@ -18,6 +18,7 @@ raise :class:`Unsupported` and the caller uses torch.save.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import hashlib
 import io
@@ -31,7 +32,9 @@ from typing import Any, Dict, List, Tuple
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from .atomic import open_empty
 from .fill import Fill
+from ..layout.boxes import strides
 from .pickle_reader import Unsupported
+from .zip_crc import LOCAL_HEADER, LOCAL_SIG
 
 PREFIX = "archive"  # what torch.save names the folder when given a file object
 ALIGN = 64
@@ -64,8 +67,7 @@ class _Storage:
 class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extended per object
     def __init__(self, f: Any) -> None:
         super().__init__(f, protocol=2)
-        self.storages: List[_Storage] = []
-        self._tensor_of: Dict[int, Tuple[Fill, _Storage]] = {}
+        self.storages: List[_Storage] = []  # in key order; they keep the Fills alive while memo ids are in use
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
@@ -102,22 +104,12 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
             return
         storage = _Storage(str(len(self.storages)), fill)
         self.storages.append(storage)
-        self._tensor_of[id(fill)] = (fill, storage)  # keep both alive while memo ids are in use
-        stride = tuple(_contiguous_stride(fill.shape))
         self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"),
-                         (storage, 0, tuple(fill.shape), stride, False, collections.OrderedDict()), obj=fill)
+                         (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict()), obj=fill)
 
 
 _PLAIN = {dict, collections.OrderedDict, list, tuple, str, bytes, int, float, bool, type(None), set, frozenset,
-          __import__("argparse").Namespace}
-
-
-def _contiguous_stride(shape: Tuple[int, ...]) -> List[int]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return list(reversed(stride))
+          argparse.Namespace}
 
 
 def _padding(pos: int, name: bytes) -> bytes:
@@ -148,7 +140,7 @@ def write_skeleton(path: str, tree: Any) -> Dict[int, int]:
                 raise Unsupported("a file of 4 GiB or more needs zip64")
             raw_name = f"{PREFIX}/{name}".encode()
             extra = _padding(pos, raw_name)
-            header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw_name), len(extra))
+            header = LOCAL_HEADER.pack(LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw_name), len(extra))
             f.seek(pos)
             f.write(header + raw_name + extra)
             start = pos + len(header) + len(raw_name) + len(extra)

@@ -18,9 +18,10 @@ import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import BinaryIO, Dict, List, Tuple
 
-_LOCAL = struct.Struct("<IHHHHHIIIHH")
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, without its name and extra field
+LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _BLOCK = 8 << 20
@@ -53,15 +54,22 @@ def records(path: str) -> Dict[int, Record]:
         for info, crc_at in zip(infos, entries):
             if info.compress_type != zipfile.ZIP_STORED:
                 continue
-            f.seek(info.header_offset)
-            local = _LOCAL.unpack(f.read(_LOCAL.size))
-            start = info.header_offset + _LOCAL.size + local[9] + local[10]
+            start, flags = data_start(f, info)
             local_crc = info.header_offset + 14
-            if local[2] & 0x8:  # sizes and CRC follow the data (torch.save's layout)
+            if flags & 0x8:  # sizes and CRC follow the data (torch.save's layout)
                 f.seek(start + info.compress_size)
                 local_crc = start + info.compress_size + (4 if f.read(4) == _DESCRIPTOR_SIG else 0)
             out[start] = Record(info.filename, start, info.file_size, local_crc, crc_at)
     return out
+
+
+def data_start(f: BinaryIO, info: zipfile.ZipInfo) -> Tuple[int, int]:
+    """Where ``info``'s data starts in the open zip ``f``, and its local header's flags."""
+    f.seek(info.header_offset)
+    local = LOCAL_HEADER.unpack(f.read(LOCAL_HEADER.size))
+    if local[0] != LOCAL_SIG:
+        raise ValueError(f"{info.filename}: bad local header")
+    return info.header_offset + LOCAL_HEADER.size + local[9] + local[10], local[2]
 
 
 def crc_of(fd: int, start: int, size: int, buf: bytearray) -> int:

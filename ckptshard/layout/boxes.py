@@ -22,11 +22,11 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def strides(shape: Sequence[int]) -> Shape:
-    """Row-major element strides."""
+    """Row-major element strides, as torch reports them (a 0-sized dimension counts as 1)."""
     out, acc = [], 1
     for s in reversed(shape):
         out.append(acc)
-        acc *= s
+        acc *= max(s, 1)
     return tuple(reversed(out))
 
 
