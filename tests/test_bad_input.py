@@ -149,12 +149,13 @@ def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
 
 
 SLOW_CONSOLIDATE = """
-import sys, time, ckptshard.io.fill as fill
-real = fill.Copier._copy
-def slow(self, *a):
-    time.sleep(0.2)
-    return real(self, *a)
-fill.Copier._copy = slow
+import os, sys, time, ckptshard.io.fill as fill
+real, reached = fill.Copier._copy, sys.argv[3]
+def stuck(self, *a):  # copy once, say so, then hang: the signal always lands mid-write
+    real(self, *a)
+    open(reached, "w").close()
+    time.sleep(120)
+fill.Copier._copy = stuck
 from ckptshard.cli import main
 sys.argv = ["ckptshard", "consolidate", sys.argv[1], "-o", sys.argv[2], "-q"]
 main()
@@ -163,17 +164,18 @@ main()
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_write_leaves_nothing(fixtures, tmp_path, sig):
-    out = tmp_path / "o.safetensors"
-    p = subprocess.Popen([sys.executable, "-c", SLOW_CONSOLIDATE, str(fixtures[2] / "fairseq"), str(out)],
-                         stderr=subprocess.PIPE, text=True)
+    out_dir, reached = tmp_path / "out", tmp_path / "copying"
+    out_dir.mkdir()
+    p = subprocess.Popen([sys.executable, "-c", SLOW_CONSOLIDATE, str(fixtures[2] / "fairseq"),
+                          str(out_dir / "o.safetensors"), str(reached)], stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while not any(tmp_path.iterdir()) and time.time() < deadline:  # the temporary appears
+    while not reached.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)
+    assert reached.exists() and any(out_dir.iterdir())  # a temporary is being written
     p.send_signal(sig)
     p.wait(timeout=60)
     assert p.returncode != 0
-    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+    assert list(out_dir.iterdir()) == [], list(out_dir.iterdir())
 
 
 def test_manifest_and_verify(fixtures, tmp_path):
