@@ -149,7 +149,9 @@ def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
 
 
 SLOW_CONSOLIDATE = """
-import os, sys, time, ckptshard.io.fill as fill
+import os, signal, sys, time, ckptshard.io.fill as fill
+# Ctrl-C as in a terminal, even where the test runs in the background (which ignores SIGINT, and so would the child).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 real, reached = fill.Copier._copy, sys.argv[3]
 def stuck(self, *a):  # copy once, say so, then hang: the signal always lands mid-write
     real(self, *a)
