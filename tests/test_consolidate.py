@@ -188,3 +188,22 @@ def test_torch_save_outputs_pass_zip_crc_checks(fixtures, tmp_path):
             data = [i for i in z.infolist() if "/data/" in i.filename and i.file_size]
             assert data and all(i.CRC for i in data), f
             assert z.testzip() is None, f  # reads every record and checks its CRC
+
+
+@pytest.mark.parametrize("impl", ["installed", "zlib"])
+def test_record_crc_is_zlibs_crc32_across_buffer_boundaries(tmp_path, monkeypatch, impl):
+    """The zip CRC comes from isal where installed, else zlib: both must give zlib's value."""
+    import zlib
+
+    from ckptshard.io import zip_crc
+
+    if impl == "zlib":
+        monkeypatch.setattr(zip_crc, "crc32", zlib.crc32)
+    data = os.urandom(3 * 1000 + 17)
+    path = tmp_path / "f"
+    path.write_bytes(b"head" + data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert zip_crc.crc_of(fd, 4, len(data), bytearray(1000)) == zlib.crc32(data)
+    finally:
+        os.close(fd)

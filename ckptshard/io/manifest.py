@@ -1,5 +1,8 @@
 """Manifests: sizes and checksums of what ckptshard wrote, and their re-check.
 
+Each file gets its size and BLAKE3 digest (``b3sum`` prints the same).
+Manifests from before BLAKE3 carry SHA-256 digests instead; both verify.
+
 A folder output carries ``ckptshard-manifest.json`` inside it; a file output
 ``OUT.manifest.json`` beside it.
 """
@@ -12,13 +15,17 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from .. import __version__
 from ..errors import CheckpointError
-from .hashing import Hashes
+from .hashing import ALGORITHM, Hashes, new_hash
 
 MANIFEST = "ckptshard-manifest.json"
 
 
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
+_DIGESTS = {ALGORITHM: new_hash, "sha256": hashlib.sha256}  # what a manifest may carry, newest first
+
+
+def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
+    """Hex digest of the file at ``path``, read whole (files not hashed while they were written)."""
+    h = _DIGESTS[algorithm]()
     with open(path, "rb", buffering=0) as f:
         while True:
             block = f.read(16 << 20)
@@ -41,7 +48,7 @@ def build_manifest(root: str, names: List[str], source: Mapping[str, Any], comma
     for n in names:
         p = os.path.join(root, n) if n else root
         digest = hashes.digest(p) if hashes else None
-        files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), "sha256": digest or sha256_of(p)}
+        files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), ALGORITHM: digest or file_digest(p)}
     return {"ckptshard_version": __version__, "command": command, "source": dict(source), "files": files}
 
 
@@ -70,6 +77,10 @@ def verify_manifest(output: str) -> List[str]:
             problems.append(f"{name}: missing")
         elif os.path.getsize(p) != info["bytes"]:
             problems.append(f"{name}: {os.path.getsize(p)} bytes, manifest says {info['bytes']}")
-        elif sha256_of(p) != info["sha256"]:
-            problems.append(f"{name}: checksum differs from the manifest (modified or corrupted)")
+        else:
+            algo = next((a for a in _DIGESTS if isinstance(info.get(a), str)), None)
+            if algo is None:
+                problems.append(f"{name}: the manifest gives no checksum ckptshard knows ({', '.join(_DIGESTS)})")
+            elif file_digest(p, algo) != info[algo]:
+                problems.append(f"{name}: checksum differs from the manifest (modified or corrupted)")
     return problems
