@@ -110,3 +110,53 @@ def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refu
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 * 1024  # KiB
     huge = placeholder((1 << 52,), torch.float32)  # no system grants 16 PiB
     assert isinstance(huge, FakeTensor) and huge.shape == (1 << 52,)
+
+
+def test_crcs_are_written_by_the_hash_pass_before_it_hashes_them(tmp_path):
+    """Records at odd offsets, across block edges; each CRC goes after its record (and once more at the end)."""
+    import struct
+    import zlib
+
+    from ckptshard.io.hashing import BLOCK
+
+    path = tmp_path / "f"
+    sizes = [1000, BLOCK + 3, 0, 2 * BLOCK - 7, 5]
+    layout, at = [], 0
+    for size in sizes:  # [record][4-byte CRC slot]
+        layout.append((at, size, at + size))
+        at += size + 4
+    central = at  # one more slot per record at the end, like a zip central directory
+    total = central + 4 * len(sizes)
+    data = bytearray(os.urandom(total))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    os.ftruncate(fd, total)
+    with Hashes() as hashes:
+        advance = hashes.watch(str(path))
+        for i, (start, size, slot) in enumerate(layout):
+            if size:
+                hashes.patch_crc(str(path), start, size, (slot, central + 4 * i))
+        for start, size, slot in layout:
+            advance(start)
+            os.pwrite(fd, bytes(data[start:start + size]), start)  # the slots stay zero until the hash pass
+        hashes.settled(str(path))
+        final = path.read_bytes()
+        digest = hashes.digest(str(path))
+    os.close(fd)
+    for i, (start, size, slot) in enumerate(layout):
+        want = struct.pack("<I", zlib.crc32(data[start:start + size])) if size else b"\0" * 4
+        assert final[slot:slot + 4] == want and final[central + 4 * i:central + 4 * i + 4] == want
+    assert digest == blake3(final).hexdigest()  # the hash saw the CRCs, not the zeros before them
+
+
+def test_crc_records_out_of_order_or_patching_backwards_are_refused(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 100)
+    with Hashes() as hashes:
+        advance = hashes.watch(str(path))
+        with pytest.raises(AssertionError, match="before its end"):
+            hashes.patch_crc(str(path), 10, 20, (5,))
+        hashes.patch_crc(str(path), 40, 10, (60,))
+        with pytest.raises(AssertionError, match="out of order"):
+            hashes.patch_crc(str(path), 20, 10, (95,))
+        advance(100)
+        hashes.settled(str(path))

@@ -148,6 +148,7 @@ def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source:
             write_torch(tmp, tree, copier, tick, trust_pickles, hashes)
         else:
             write_safetensors(tmp, tree, copier, tick, SAFETENSORS_META, hashes)
+        hashes.settled(tmp)  # its CRCs are written by the hash pass: final from here, fsynced and renamed next
     hashes.moved(tmp, out)
 
 

@@ -130,16 +130,23 @@ def _crc_positions(runs: Tuple[Tuple[int, bytes], ...], data_end: int) -> Tuple[
     return descriptor, central[0]
 
 
-def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress]) -> int:
-    """One chunk's torch.save frame at byte ``at``, data copied in and its CRC set; returns its length."""
+def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress],
+                        path: str, hashes: Optional[Hashes]) -> int:
+    """One chunk's torch.save frame at byte ``at``, data copied in and its CRC set; returns its length.
+
+    With ``hashes`` the CRC is left to the hash pass, which reads the data anyway.
+    """
     runs, data_at, length, crc_at = tensor_frame(tuple(chunk.sizes), chunk.fill.dtype)
     for pos, data in runs:
         os.pwrite(fd, data, at + pos)
     if chunk.fill.nbytes:
+        if hashes:
+            hashes.patch_crc(path, at + data_at, chunk.fill.nbytes, tuple(at + pos for pos in crc_at))
         copier.fill(fd, at + data_at, chunk.fill, progress)
-        crc = struct.pack("<I", crc_of(fd, at + data_at, chunk.fill.nbytes, _crc_buffer()))
-        for pos in crc_at:
-            os.pwrite(fd, crc, at + pos)
+        if not hashes:
+            crc = struct.pack("<I", crc_of(fd, at + data_at, chunk.fill.nbytes, _crc_buffer()))
+            for pos in crc_at:
+                os.pwrite(fd, crc, at + pos)
     return length
 
 
@@ -187,7 +194,7 @@ def write_data_file(path: str, items: List[Item], copier: Copier, progress: Opti
     try:
         for item in items:
             if isinstance(item, Chunk):
-                length = _write_tensor_chunk(fd, end, item, copier, progress)
+                length = _write_tensor_chunk(fd, end, item, copier, progress, path, hashes)
             else:
                 buf = io.BytesIO()
                 torch.save(item[1], buf)

@@ -3,9 +3,16 @@
 Writers fill every output front to back, one file after another: once bytes
 ``[0, n)`` of a file are final they say so (``advance(n)``), and one thread
 trailing them hashes that span from the page cache. Copying
-(``copy_file_range``, in the kernel) and hashing (``hashlib``, which
+(``copy_file_range``, in the kernel) and hashing (``blake3``, which
 releases the GIL) then overlap instead of the hash re-reading every output
 at the end.
+
+The same pass computes the zip CRC-32s of torch.save records
+(:meth:`Hashes.patch_crc`): the thread reads each byte once for both, and
+writes each CRC into the descriptor and central directory entry after the
+record before it hashes them. Until :meth:`Hashes.settled` (or
+:meth:`Hashes.digest`) returns, such a file is not final: fsync and rename
+it only after.
 
 Once a span is hashed the thread also queues its writeback
 (:mod:`.writeback`): the disk writes during the copy instead of all at once
@@ -25,12 +32,14 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import struct
 import threading
-from typing import Callable, Deque, Dict, Optional
+from typing import Callable, Deque, Dict, Optional, Tuple
 
 import blake3
 
 from .writeback import start_writeback
+from .zip_crc import crc32
 
 ALGORITHM = "blake3"  # the manifest's key for each file's digest
 new_hash = blake3.blake3
@@ -44,11 +53,13 @@ Watermark = Callable[[int], None]  # "bytes [0, n) of the output are final"
 class _File:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)  # now: the file may be renamed while it is hashed
+        self.fd = os.open(path, os.O_RDWR)  # now: the file may be renamed while it is hashed; RDWR for CRCs
         self.mark = 0
         self.done = 0
         self.complete = False
         self.hash = new_hash()
+        self.crcs: Deque[Tuple[int, int, Tuple[int, ...]]] = collections.deque()  # (start, end, where), in order
+        self.crc = 0  # of the front record, so far
         self.digest: Optional[str] = None
         self.error: Optional[BaseException] = None
 
@@ -88,6 +99,38 @@ class Hashes:
 
         return advance
 
+    def patch_crc(self, path: str, start: int, size: int, positions: Tuple[int, ...]) -> None:
+        """Once bytes ``[start, start + size)`` of watched ``path`` are hashed, write their CRC-32 at ``positions``.
+
+        Records are given in file order, before the watermark passes
+        ``start``; every position lies after the record and before the
+        watermark's next step past it (a zip data descriptor, a central
+        directory entry).
+        """
+        end = start + size
+        if any(p < end for p in positions):
+            raise AssertionError(f"CRC of [{start}, {end}) would be written before its end")
+        with self._cond:
+            f = self._by_path[os.path.abspath(path)]
+            last = f.crcs[-1][1] if f.crcs else f.done
+            if start < max(last, f.mark) or size <= 0:
+                raise AssertionError(f"CRC record [{start}, {end}) given out of order or after it was hashed")
+            f.crcs.append((start, end, tuple(positions)))
+
+    def settled(self, path: str) -> None:
+        """Wait until every CRC asked for ``path`` is written (the file is then final; its hash may trail)."""
+        key = os.path.abspath(path)
+        with self._cond:
+            f = self._by_path.get(key)
+            if f is None:
+                return
+        self.complete(key)
+        with self._cond:
+            while f.crcs and f.error is None:
+                self._cond.wait()
+        if f.error is not None:
+            raise f.error
+
     def complete(self, path: str) -> None:
         """``path`` is written whole: the thread finishes its hash and moves on."""
         key = os.path.abspath(path)
@@ -119,7 +162,6 @@ class Hashes:
                 raise AssertionError(f"{key}: digest asked while an earlier output is still being written")
             while f.digest is None and f.error is None:
                 self._cond.wait()
-            self._by_path.pop(key, None)
         if f.error is not None:
             raise f.error
         return f.digest
@@ -156,13 +198,14 @@ class Hashes:
                     upto = f.mark
                 if f.done < upto:
                     try:
-                        _hash_span(f, upto, view)
+                        _hash_span(f, upto, view, self._cond)
                     except OSError as e:
                         f.error = e
                 with self._cond:
                     if f.error is not None or (f.complete and f.done >= f.mark):
                         if f.error is None:
                             f.digest = f.hash.hexdigest()
+                        f.hash = None  # the entry stays (for digest lookups) without the hasher's state
                         os.close(f.fd)
                         self._queue.popleft()
                         self._cond.notify_all()
@@ -171,12 +214,26 @@ class Hashes:
             buf.close()
 
 
-def _hash_span(f: _File, upto: int, view: memoryview) -> None:
-    """Hash ``f`` from ``f.done`` to ``upto``, queueing each hashed block's writeback."""
+def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition) -> None:
+    """Hash ``f`` from ``f.done`` to ``upto``, CRCs along the way, queueing each hashed block's writeback."""
     while f.done < upto:
-        n = os.preadv(f.fd, [view[: min(BLOCK, upto - f.done)]], f.done)
+        with cond:
+            record = f.crcs[0] if f.crcs else None
+        stop = upto
+        if record is not None:  # reads stop at a record's edges: its CRC is written before the bytes after it are read
+            stop = min(stop, record[0] if f.done < record[0] else record[1])
+        n = os.preadv(f.fd, [view[: min(BLOCK, stop - f.done)]], f.done)
         if not n:
             raise OSError(f"{f.path}: shorter than {upto} bytes while hashing")
         f.hash.update(view[:n])
         start_writeback(f.fd, f.done, n)
         f.done += n
+        if record is not None and record[0] < f.done <= record[1]:
+            f.crc = crc32(view[:n], f.crc)
+            if f.done == record[1]:
+                for pos in record[2]:
+                    os.pwrite(f.fd, struct.pack("<I", f.crc), pos)
+                f.crc = 0
+                with cond:
+                    f.crcs.popleft()
+                    cond.notify_all()

@@ -19,7 +19,7 @@ from .safe_load import SAFE_GLOBALS, TensorRef
 from .tree import leaves, map_leaves
 from .pickle_reader import Unsupported
 from .torch_save import write_skeleton
-from .zip_crc import CrcFixer
+from .zip_crc import CrcFixer, deferred_crcs
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +81,9 @@ def write_torch(
     The file is laid out without torch (``torch_save.write_skeleton``) where
     the tree was read without it, else by torch itself (``skip_data`` over
     placeholder tensors); either way any torch reads it. Tensor bytes are
-    then filled in place, front to back, each record's CRC set (``hashes``
-    hashes what is final while the rest is copied).
+    then filled in place, front to back, each record's CRC set. With
+    ``hashes`` the hash pass trailing the copy also computes and writes the
+    CRCs: the file is final once ``hashes.settled(path)`` returns.
     """
     fills = _fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
@@ -94,17 +95,23 @@ def write_torch(
             targets = None
     if targets is None:
         targets = _torch_skeleton(path, tree, trust_pickles)
+    order = sorted(targets.values(), key=lambda t: t[0])
     watch = hashes.watch(path) if hashes else None
+    deferred = deferred_crcs(path, [o for o, f in order if f.nbytes]) if hashes else None
+    if hashes and deferred is not None:  # the hash pass computes and writes the CRCs (one read for both)
+        for start, size, where in deferred:
+            hashes.patch_crc(path, start, size, where)
     fd = os.open(path, os.O_RDWR)
     try:
-        crcs = CrcFixer(path, fd)
-        for offset, fill in sorted(targets.values(), key=lambda t: t[0]):
+        crcs = CrcFixer(path, fd) if deferred is None else None
+        for offset, fill in order:
             if watch:
                 watch(offset)
             copier.fill(fd, offset, fill, progress)
-            if fill.nbytes:
+            if crcs and fill.nbytes:
                 crcs.filled(offset)
-        crcs.finish()
+        if crcs:
+            crcs.finish()
     finally:
         os.close(fd)
     if hashes:

@@ -19,7 +19,7 @@ import os
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, List, Tuple
+from typing import BinaryIO, Dict, List, Optional, Tuple
 
 try:
     from isal.isal_zlib import crc32
@@ -87,6 +87,24 @@ def crc_of(fd: int, start: int, size: int, buf: bytearray) -> int:
         crc = crc32(view[:got], crc)
         start, size = start + got, size - got
     return crc
+
+
+def deferred_crcs(path: str, starts: List[int]) -> Optional[List[Tuple[int, int, Tuple[int, int]]]]:
+    """For the records starting at ``starts``: (data start, size, where the CRC goes), in file order.
+
+    None where some record keeps its CRC before its data (no data
+    descriptor): it cannot be patched by a pass that reads front to back.
+    """
+    recs = records(path)
+    out = []
+    for start in sorted(starts):
+        rec = recs.get(start)
+        if rec is None:
+            raise AssertionError(f"no zip record starts at byte {start}")
+        if rec.local_crc < rec.data_start + rec.size:
+            return None
+        out.append((rec.data_start, rec.size, (rec.local_crc, rec.central_crc)))
+    return out
 
 
 class CrcFixer:
