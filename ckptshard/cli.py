@@ -13,6 +13,7 @@ import click
 
 from . import __version__
 from .errors import CheckpointError
+from .io.durability import ENV as DURABILITY_ENV
 
 
 class BadInput(click.ClickException):
@@ -55,6 +56,17 @@ common_trust = click.option(
 )
 common_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an existing output.")
+
+
+def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:  # read by io/durability.py, here and in --jobs workers
+        os.environ[DURABILITY_ENV] = "1"
+
+
+common_no_fsync = click.option(
+    "--no-fsync", is_flag=True, expose_value=False, callback=_no_fsync,
+    help="Do not fsync outputs (as cp does): faster, and still renamed into place only when complete, "
+         "but a crash or power loss soon after may lose data the manifest vouches for.")
 
 
 def reshape_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,6 +121,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
                    "Under torchrun, ranks share the files instead.")
+@common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
@@ -136,6 +149,7 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
               help="Write output files in this many local processes. Under torchrun, ranks share the files instead.")
 @click.option("--no-optimizer", is_flag=True,
               help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).")
+@common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
@@ -161,6 +175,7 @@ def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, 
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the shards.")
 @click.option("--optimizer", "optim", type=click.Path(exists=True), default=None,
               help="A full optimizer state (from consolidate --optimizer, or gather_full_optim_state_dict) to shard too.")
+@common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
@@ -195,6 +210,7 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
                    "local processes (same bytes). Under torchrun, ranks share the files instead.")
+@common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet

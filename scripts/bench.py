@@ -9,7 +9,8 @@ every timed command the page cache's dirty pages are written back (``sync``,
 not timed), and commands run round-robin ``--repeat`` times: the median is
 reported, since this machine's virtual disk makes single runs swing 3x.
 ckptshard fsyncs its outputs and checksums them into a manifest; ``cp -r``
-does neither, so ``cp -r && sync`` is reported as the like-for-like baseline.
+does neither, so ``cp -r && sync`` is reported as the like-for-like baseline,
+and ``--no-fsync`` rows compare with the plain ``cp -r``.
 
     .venv/bin/python scripts/bench.py                    # 2 GiB, 8 shards
     .venv/bin/python scripts/bench.py --sizes 1,2,4      # scaling table (+ plot with --plot)
@@ -94,7 +95,7 @@ def gen(folder: str, size_gib: float, shards: int, optimizer: bool) -> None:
 
 
 def _clean(out: str) -> None:
-    for p in (out, out + ".pt", out + ".safetensors"):
+    for p in (out, out + ".pt", out + ".safetensors", out + ".pt.manifest.json", out + ".safetensors.manifest.json"):
         if os.path.isdir(p):
             shutil.rmtree(p)
         elif os.path.exists(p):
@@ -118,6 +119,10 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("ckptshard consolidate -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", "-q"]),
         ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
         (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),
+        # Like cp -r: not fsynced (still renamed into place only when complete).
+        ("ckptshard consolidate -> .safetensors --no-fsync", ck + ["consolidate", src, "-o", out + ".safetensors", "-q", "--no-fsync"]),
+        ("ckptshard consolidate -> .pt --no-fsync", ck + ["consolidate", src, "-o", out + ".pt", "-q", "--no-fsync"]),
+        (f"ckptshard reshard {shards}->3 --no-fsync", ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
         ("ckptshard convert --to dcp", ck + ["convert", src, "--to", "dcp", "-o", out, "-q"]),
         # Scale-out: a folder of 256 MiB safetensors files, by one process and by two.
         ("ckptshard consolidate -> 256MiB-file folder", ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "-q"]),

@@ -217,3 +217,37 @@ def test_manifest_digests_are_blake3_and_older_sha256_manifests_still_verify(fix
     m["files"]["f.safetensors"] = {"bytes": len(data), "md5": "0" * 32}
     mpath.write_text(json.dumps(m))
     assert verify(str(out)) == ["f.safetensors: the manifest gives no checksum ckptshard knows (blake3, sha256)"]
+
+
+@pytest.mark.parametrize("command", ["consolidate", "reshard"])
+def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_path, monkeypatch, command):
+    from click.testing import CliRunner
+
+    import ckptshard.io.writeback as writeback
+    from ckptshard.cli import main
+    from ckptshard.io.durability import ENV
+
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    real_wb = writeback._sync_file_range
+    if real_wb is not None:
+        monkeypatch.setattr(writeback, "_sync_file_range", lambda *a: (calls.append("writeback"), real_wb(*a))[1])
+    monkeypatch.delenv(ENV, raising=False)
+    src = str(fixtures[2] / "fairseq")
+    args = {"consolidate": ["consolidate", src, "-o"], "reshard": ["reshard", src, "-n", "3", "-o"]}[command]
+    durable = CliRunner().invoke(main, args + [str(tmp_path / "a.pt"), "-q"])
+    assert durable.exit_code == 0, durable.output
+    assert "fsync" in calls  # the default: fsynced before the rename
+    calls.clear()
+    fast = CliRunner().invoke(main, args + [str(tmp_path / "b.pt"), "-q", "--no-fsync"])
+    assert fast.exit_code == 0, fast.output
+    assert calls == [] and os.environ.get(ENV) == "1"
+    monkeypatch.delenv(ENV)
+    def written(name):  # every output file but the manifests (they name the command), by relative path
+        root = tmp_path / name
+        files = [root] if root.is_file() else sorted(root.iterdir())
+        return {p.name.replace(name, ""): p.read_bytes() for p in files if "manifest" not in p.name}
+
+    assert written("a.pt") == written("b.pt") and written("a.pt")
+    assert verify(str(tmp_path / "b.pt")) == []

@@ -14,6 +14,7 @@ import tempfile
 from typing import Iterator
 
 from ..errors import CheckpointError
+from .durability import durable
 
 
 def open_empty(path: str) -> int:
@@ -68,6 +69,8 @@ def fsync_path(path: str) -> None:
 
 
 def _fsync_tree(path: str) -> None:
+    if not durable():
+        return
     if os.path.isdir(path):
         for root, _dirs, files in os.walk(path):
             for f in files:
@@ -114,7 +117,8 @@ def atomic_output(final: str, is_dir: bool, overwrite: bool = False) -> Iterator
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        fsync_path(parent)
+        if durable():
+            fsync_path(parent)
     except BaseException:
         _remove(tmp)
         raise

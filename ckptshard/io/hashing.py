@@ -38,6 +38,7 @@ from typing import Callable, Deque, Dict, Optional, Tuple
 
 import blake3
 
+from .durability import durable
 from .writeback import start_writeback
 from .zip_crc import crc32
 
@@ -68,6 +69,7 @@ class Hashes:
     """The trailing hashes of one run's outputs, by path, computed by one thread in the order watched."""
 
     def __init__(self) -> None:
+        self._durable = durable()  # else no early writeback either: the kernel writes back when it likes
         self._cond = threading.Condition()
         self._queue: Deque[_File] = collections.deque()  # watched, not yet hashed whole
         self._by_path: Dict[str, _File] = {}
@@ -198,7 +200,7 @@ class Hashes:
                     upto = f.mark
                 if f.done < upto:
                     try:
-                        _hash_span(f, upto, view, self._cond)
+                        _hash_span(f, upto, view, self._cond, self._durable)
                     except OSError as e:
                         f.error = e
                 with self._cond:
@@ -214,7 +216,7 @@ class Hashes:
             buf.close()
 
 
-def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition) -> None:
+def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition, durable: bool) -> None:
     """Hash ``f`` from ``f.done`` to ``upto``, CRCs along the way, queueing each hashed block's writeback."""
     while f.done < upto:
         with cond:
@@ -226,7 +228,8 @@ def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition)
         if not n:
             raise OSError(f"{f.path}: shorter than {upto} bytes while hashing")
         f.hash.update(view[:n])
-        start_writeback(f.fd, f.done, n)
+        if durable:
+            start_writeback(f.fd, f.done, n)
         f.done += n
         if record is not None and record[0] < f.done <= record[1]:
             f.crc = crc32(view[:n], f.crc)
