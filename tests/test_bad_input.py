@@ -233,7 +233,7 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     real_wb = writeback._sync_file_range
     if real_wb is not None:
         monkeypatch.setattr(writeback, "_sync_file_range", lambda *a: (calls.append("writeback"), real_wb(*a))[1])
-    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "")  # durable; the CLI flag sets it in os.environ, and teardown removes it again
     src = str(fixtures[2] / "fairseq")
     args = {"consolidate": ["consolidate", src, "-o"], "reshard": ["reshard", src, "-n", "3", "-o"]}[command]
     durable = CliRunner().invoke(main, args + [str(tmp_path / "a.pt"), "-q"])
@@ -243,7 +243,6 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     fast = CliRunner().invoke(main, args + [str(tmp_path / "b.pt"), "-q", "--no-fsync"])
     assert fast.exit_code == 0, fast.output
     assert calls == [] and os.environ.get(ENV) == "1"
-    monkeypatch.delenv(ENV)
     def written(name):  # every output file but the manifests (they name the command), by relative path
         root = tmp_path / name
         files = [root] if root.is_file() else sorted(root.iterdir())
