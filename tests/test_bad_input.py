@@ -170,12 +170,16 @@ def test_signal_mid_write_leaves_nothing(fixtures, tmp_path, sig):
     out_dir.mkdir()
     p = subprocess.Popen([sys.executable, "-c", SLOW_CONSOLIDATE, str(fixtures[2] / "fairseq"),
                           str(out_dir / "o.safetensors"), str(reached)], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not reached.exists() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert reached.exists() and any(out_dir.iterdir())  # a temporary is being written
-    p.send_signal(sig)
-    p.wait(timeout=60)
+    try:
+        deadline = time.time() + 60
+        while not reached.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert reached.exists() and any(out_dir.iterdir())  # a temporary is being written
+        p.send_signal(sig)
+        p.wait(timeout=60)
+    finally:
+        p.kill()  # never left hanging, whatever failed
+        p.wait()
     assert p.returncode != 0
     assert list(out_dir.iterdir()) == [], list(out_dir.iterdir())
 
