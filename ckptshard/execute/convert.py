@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
-from ..io.dcp import (
-    DcpCheckpoint,
-    data_file_names,
-    data_files,
-    is_dcp,
-    open_dcp,
-    write_data_file,
-    write_dcp,
-    write_metadata,
-)
+from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_dcp, write_metadata
 from ..io.fill import Copier, is_tensor
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
@@ -51,6 +42,9 @@ from .consolidate import (
 from .parallel import leads, map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
+
+if TYPE_CHECKING:
+    from ..io.dcp import DcpCheckpoint
 
 TARGETS = ("dcp", "torch", "safetensors", "fairscale")
 
@@ -121,7 +115,7 @@ def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
 def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trust_pickles: bool, progress: bool,
                       select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
                       dtype: Optional[str], jobs: int) -> ConvertResult:
-    ckpt = open_checkpoint(src, trust_pickles)
+    ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # the DCP writer needs no torch either
     run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths)))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
@@ -173,7 +167,7 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
     write_folder_across_ranks(out, overwrite, plan.nbytes, rank, world, share, finish)
 
 
-def _dcp_source_info(d: DcpCheckpoint) -> Dict[str, Any]:
+def _dcp_source_info(d: "DcpCheckpoint") -> Dict[str, Any]:
     return {"files": [os.path.abspath(os.path.join(d.folder, f)) for f in d.files], "container": "dcp"}
 
 
@@ -183,6 +177,8 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
               jobs: int) -> ConvertResult:
     if to == "dcp":
         raise CheckpointError(f"{src} is already a DCP checkpoint")
+    from ..io.dcp import open_dcp  # reading DCP unpickles torch's classes: torch from here
+
     d = open_dcp(src, trust_pickles)
     inputs = tuple(os.path.join(src, f) for f in d.files)
     if to == "fairscale":
@@ -211,7 +207,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
     return ConvertResult([out], count, total)
 
 
-def _dcp_to_fairscale(d: DcpCheckpoint, out: str, like: Optional[str], world_size: int, optimizer: bool,
+def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_size: int, optimizer: bool,
                       overwrite: bool, trust_pickles: bool, progress: bool, select: Sequence[str],
                       strip_prefix: Sequence[str], renames: Sequence[Any], dtype: Optional[str],
                       inputs: tuple, jobs: int) -> ConvertResult:

@@ -27,6 +27,7 @@ import pickle
 import struct
 import types
 import zlib
+from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
@@ -121,6 +122,18 @@ def _padding(pos: int, name: bytes) -> bytes:
 
 def write_skeleton(path: str, tree: Any) -> Dict[int, int]:
     """Write ``tree`` as torch.save would, tensor data left as holes; returns each Fill's data offset (by id)."""
+    with os.fdopen(open_empty(path), "r+b") as f:
+        return write_zip(f, tree).offsets
+
+
+@dataclass
+class Skeleton:
+    offsets: Dict[int, int]  # each Fill's data offset, by id
+    crcs: List[Tuple[int, int, Tuple[int, int]]]  # per tensor record with data: (start, size, where its CRC goes)
+
+
+def write_zip(f: Any, tree: Any) -> Skeleton:
+    """torch.save's zip of ``tree`` into the seekable ``f``, seeking over (never writing) tensor data."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(tree)
@@ -131,41 +144,47 @@ def write_skeleton(path: str, tree: Any) -> Dict[int, int]:
             (".data/serialization_id", str(int(hashlib.sha256(pkl).hexdigest(), 16))[:40].encode())]
     central: List[bytes] = []
     offsets: Dict[int, int] = {}
+    holes: List[Tuple[int, int, int]] = []  # (data start, size, index of its central directory entry)
     pos = 0
-    with os.fdopen(open_empty(path), "r+b") as f:
 
-        def record(name: str, data: bytes, size: int) -> int:
-            nonlocal pos
-            if pos + size + 4096 > _ZIP32_LIMIT:
-                raise Unsupported("a file of 4 GiB or more needs zip64")
-            raw_name = f"{PREFIX}/{name}".encode()
-            extra = _padding(pos, raw_name)
-            header = LOCAL_HEADER.pack(LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw_name), len(extra))
-            f.seek(pos)
-            f.write(header + raw_name + extra)
-            start = pos + len(header) + len(raw_name) + len(extra)
-            if data:
-                f.write(data)
-            crc = zlib.crc32(data) if data else 0
-            f.seek(start + size)
-            f.write(b"PK\x07\x08" + struct.pack("<III", crc, size, size))
-            central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size,
-                                       len(raw_name), 0, 0, 0, 0, 0, pos) + raw_name)
-            pos = start + size + 16
-            return start
-
-        for name, data in small:
-            record(name, data, len(data))
-        for s in pickler.storages:
-            offsets[id(s.fill)] = record(f"data/{s.key}", b"", s.fill.nbytes)
-        for name, data in tail:
-            record(name, data, len(data))
-        cd = b"".join(central)
-        if pos + len(cd) > _ZIP32_LIMIT or len(central) > 0xFFFF:
+    def record(name: str, data: bytes, size: int) -> int:
+        nonlocal pos
+        if pos + size + 4096 > _ZIP32_LIMIT:
             raise Unsupported("a file of 4 GiB or more needs zip64")
+        raw_name = f"{PREFIX}/{name}".encode()
+        extra = _padding(pos, raw_name)
+        header = LOCAL_HEADER.pack(LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw_name), len(extra))
         f.seek(pos)
-        f.write(cd + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), len(cd), pos, 0))
-    return offsets
+        f.write(header + raw_name + extra)
+        start = pos + len(header) + len(raw_name) + len(extra)
+        if data:
+            f.write(data)
+        crc = zlib.crc32(data) if data else 0
+        f.seek(start + size)
+        f.write(b"PK\x07\x08" + struct.pack("<III", crc, size, size))
+        central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size,
+                                   len(raw_name), 0, 0, 0, 0, 0, pos) + raw_name)
+        pos = start + size + 16
+        return start
+
+    for name, data in small:
+        record(name, data, len(data))
+    for st in pickler.storages:
+        offsets[id(st.fill)] = record(f"data/{st.key}", b"", st.fill.nbytes)
+        if st.fill.nbytes:
+            holes.append((offsets[id(st.fill)], st.fill.nbytes, len(central) - 1))
+    for name, data in tail:
+        record(name, data, len(data))
+    cd = b"".join(central)
+    if pos + len(cd) > _ZIP32_LIMIT or len(central) > 0xFFFF:
+        raise Unsupported("a file of 4 GiB or more needs zip64")
+    entry_at = [pos]
+    for c in central:
+        entry_at.append(entry_at[-1] + len(c))
+    f.seek(pos)
+    f.write(cd + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), len(cd), pos, 0))
+    # A record's CRC sits after its data: in its data descriptor (4 bytes past the signature) and its central entry.
+    return Skeleton(offsets, [(start, size, (start + size + 4, entry_at[i] + 16)) for start, size, i in holes])
 
 
 def save_plain(path: str, obj: Any) -> None:

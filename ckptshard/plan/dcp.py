@@ -20,7 +20,7 @@ gathered.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..io.fill import Fill, Source, as_fill, is_tensor, whole
@@ -92,11 +92,48 @@ class DcpPlan:
         return sum(seen.values())
 
 
+Path = Tuple[Any, ...]  # keys (str) and list positions (int) from the root
+
+
+def flatten_state_dict(tree: Mapping[str, Any], is_leaf_tensor: Callable[[Any], bool] = is_tensor
+                       ) -> Tuple[Dict[str, Any], Dict[str, Path]]:
+    """What ``torch.distributed.checkpoint``'s ``flatten_state_dict`` gives (torch >= 2.4), without torch.
+
+    Mappings are walked; a list is walked only if it holds a tensor or a
+    container that is walked, else it is one value (as are tuples). Names
+    are the path joined by dots. Tested against torch's own.
+    """
+    flat: Dict[str, Any] = {}
+    mapping: Dict[str, Path] = {}
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list):
+            return True
+        return not any((isinstance(v, (Mapping, list)) and not terminal(v)) or is_leaf_tensor(v) for v in value)
+
+    def visit(path: Path, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit(path + (str(k),), v)
+        elif terminal(value):
+            name = ".".join(map(str, path))
+            if name in flat:
+                raise CheckpointError(f"two entries flatten to the same DCP name {name!r}")
+            flat[name], mapping[name] = value, path
+        else:
+            for i, v in enumerate(value):
+                visit(path + (i,), v)
+
+    for key, value in tree.items():
+        visit((str(key),), value)
+    return flat, mapping
+
+
 def plan_dcp(tree: Mapping[str, Any]) -> DcpPlan:
     """Flatten ``tree`` as ``dcp.save`` does, and cut every tensor into chunks (a tie's chunks are shared)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, mapping = flatten_state_dict(dict(tree))
+    flat, mapping = flatten_state_dict(tree)
     by_fill: Dict[int, List[Chunk]] = {}
     entries: Dict[str, Any] = {}
     for name, value in flat.items():
@@ -249,9 +286,7 @@ def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str,
     Only names under a ``select`` prefix, where given; non-tensor values
     among them are refused by name unless ``keep_non_tensors``.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(dict(tree))
+    flat, _ = flatten_state_dict(tree)
     out: Dict[str, Any] = {}
     others = []
     for k, v in flat.items():
