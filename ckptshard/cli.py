@@ -93,6 +93,13 @@ def main(ctx: click.Context, debug: bool) -> None:
     ctx.obj["debug"] = debug
 
 
+@main.result_callback()
+def _done(*_: Any, **__: Any) -> None:
+    from .execute.parallel import leave_torchrun
+
+    leave_torchrun()  # a torchrun rank that did its share exits 0, whatever gloo's teardown does
+
+
 @main.command()
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ckptshard.execute.reshard import reshard
 from ckptshard.fsdp.launch import free_port
 
@@ -102,3 +104,27 @@ def test_jobs_refused_for_a_single_file(fixtures, tmp_path):
     assert res.returncode == 2
     assert "give --max-shard-size" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
+
+
+def test_a_torchrun_rank_leaves_the_group_then_exits_0_and_a_plain_run_does_nothing(monkeypatch):
+    import types
+
+    from ckptshard.execute import parallel
+
+    calls = []
+    fake = types.SimpleNamespace(is_initialized=lambda: True, barrier=lambda: calls.append("barrier"),
+                                 destroy_process_group=lambda: calls.append("destroy"))
+    monkeypatch.setitem(sys.modules, "torch.distributed", fake)
+
+    def exit_(code):
+        calls.append(f"exit {code}")
+        raise SystemExit(code)
+
+    monkeypatch.setattr(parallel.os, "_exit", exit_)
+    with pytest.raises(SystemExit):
+        parallel.leave_torchrun()
+    assert calls == ["barrier", "destroy", "exit 0"]
+    calls.clear()
+    fake.is_initialized = lambda: False
+    parallel.leave_torchrun()
+    assert calls == []

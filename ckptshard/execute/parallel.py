@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -82,6 +83,24 @@ def init_torchrun() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo")
+
+
+def leave_torchrun() -> None:
+    """After a command succeeded on a torchrun rank: leave the process group and exit 0 at once.
+
+    The interpreter's own teardown now and then ends in std::terminate
+    ('terminate called without an active exception', SIGABRT) while a gloo
+    thread is still joinable; torchrun would then report a failed run whose
+    output is complete and in place. Nothing to do outside torchrun.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def agree(error: Optional[str], payload: Any = None) -> List[Any]:
