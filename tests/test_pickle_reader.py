@@ -152,3 +152,60 @@ def test_parameters_views_and_shared_storage(tmp_path):
             for k in path:
                 saved = saved[k]
             assert torch.equal(ref.read(), saved.detach()), path
+
+
+def _legacy_copy(src, dst):
+    """The same checkpoint re-saved in torch.save's legacy (non-zip) format."""
+    dst.mkdir()
+    for p in sorted(src.iterdir()):
+        torch.save(torch.load(p, weights_only=False), dst / p.name, _use_new_zipfile_serialization=False)
+    return dst
+
+
+def _tensor_values(tree):
+    from ckptshard.io.fill import read_fill, whole
+
+    return [(p, read_fill(whole(v)) if isinstance(v, TensorRef) else v) for p, v in leaves(tree)]
+
+
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_legacy_format_reads_lazily_and_converts_like_the_zip_format(fixtures, tmp_path, container):
+    from ckptshard.execute.reshard import reshard
+    from ckptshard.io.pickle_reader import read_torch_legacy
+
+    src = fixtures[3] / container
+    legacy = _legacy_copy(src, tmp_path / "legacy")
+    for name in sorted(os.listdir(src)):
+        got, want = read_torch_legacy(str(legacy / name)), torch.load(src / name, weights_only=False)
+        got_values = _tensor_values(got)
+        want_values = list(leaves(want))
+        assert [p for p, _ in got_values] == [p for p, _ in want_values]
+        for (path, g), (_, w) in zip(got_values, want_values):
+            if isinstance(w, torch.Tensor):
+                assert g.dtype == w.dtype and torch.equal(g, w), (name, path)
+            else:
+                assert g == w, (name, path)
+    # Torch-free (consolidate) and torch (open_checkpoint's default) paths both read it, same bytes out.
+    consolidate(str(legacy), str(tmp_path / "legacy.safetensors"), progress=False)
+    consolidate(str(src), str(tmp_path / "zip.safetensors"), progress=False)
+    assert (tmp_path / "legacy.safetensors").read_bytes() == (tmp_path / "zip.safetensors").read_bytes()
+    with_torch = open_checkpoint(str(legacy))  # the torch path's load_lazy hands legacy files to the same reader
+    assert with_torch.world_size == 3 and with_torch.layout.flat_params()
+    reshard(str(legacy), str(tmp_path / "re"), 2, progress=False)
+    reshard(str(src), str(tmp_path / "re-zip"), 2, progress=False)
+    for p in sorted((tmp_path / "re-zip").iterdir()):
+        if p.name != "ckptshard-manifest.json":
+            assert p.read_bytes() == (tmp_path / "re" / p.name).read_bytes(), p.name
+
+
+def test_a_damaged_legacy_file_is_one_clear_error(fixtures, tmp_path):
+    from ckptshard.errors import CheckpointError
+
+    legacy = _legacy_copy(fixtures[2] / "fairseq", tmp_path / "legacy")
+    victim = sorted(legacy.iterdir())[1]
+    victim.write_bytes(victim.read_bytes()[:-100])  # the last storage is cut short
+    with pytest.raises(CheckpointError, match="nor a legacy one read lazily"):
+        open_checkpoint(str(legacy))
+    with pytest.raises(CheckpointError, match="nor a legacy one read lazily"):
+        consolidate(str(legacy), str(tmp_path / "x.safetensors"), progress=False)
+    assert not (tmp_path / "x.safetensors").exists()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from .pickle_reader import Unsupported, read_torch_zip
+from .pickle_reader import Unsupported, read_torch_file
 
 # "...shard3.pt", "..._shard3.torch", "...-shard03.pt", "..._shard_3.pt": the rank follows "shard".
 _SHARD_RE = re.compile(r"^(?P<head>.*shard[-_]?)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
@@ -60,7 +60,7 @@ def _read_shard_list(path: str) -> Optional[List[str]]:
     if os.path.getsize(path) > 64 * 1024 * 1024:
         return None
     try:
-        obj = read_torch_zip(path)
+        obj = read_torch_file(path)
     except Unsupported:
         try:
             import torch

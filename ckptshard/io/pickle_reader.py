@@ -1,4 +1,4 @@
-"""Read a zip-format ``torch.save`` file's pickle without importing torch.
+"""Read a ``torch.save`` file's pickle without importing torch.
 
 Importing torch costs 1.5-2.5 s here, more than copying a 2 GiB checkpoint;
 ``consolidate -> safetensors`` needs torch for nothing else. This reader
@@ -8,6 +8,13 @@ dtype is a :class:`StoredDType`. Anything outside the list (numpy values,
 tensor subclasses, big-endian files, compressed entries...) raises
 :class:`Unsupported`, and the caller falls back to ``torch.load``: this is a
 fast path, never a second opinion on what a file means.
+
+Both of torch.save's formats are read: the zip (torch >= 1.6) and the
+legacy stream (``_use_new_zipfile_serialization=False``: magic number,
+protocol and system-info pickles, the object's pickle, the sorted storage
+keys, then each storage as an 8-byte element count and its bytes). For the
+legacy one the storages' offsets follow from the counts, so it is read as
+lazily as a zip; torch itself can only load it whole (no ``mmap``).
 """
 from __future__ import annotations
 
@@ -15,7 +22,9 @@ import argparse
 import codecs
 import collections
 import io
+import os
 import pickle
+import struct
 import zipfile
 from typing import Any, Callable, Dict, Tuple
 
@@ -89,9 +98,10 @@ _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.i
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, storage: Callable[[str, StoredDType], _Storage]) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False) -> None:
+        super().__init__(f)
         self._storage = storage
+        self._legacy = legacy
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
@@ -102,9 +112,15 @@ class _Unpickler(pickle.Unpickler):
         return found
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
+        # zip: ("storage", type, key, location, numel); legacy adds view metadata (None unless a view)
+        size = 6 if self._legacy else 5
+        if not (isinstance(pid, tuple) and len(pid) == size and pid[0] == "storage"
+                and isinstance(pid[1], _StorageType) and (not self._legacy or pid[5] is None)):
             raise Unsupported(f"persistent id {pid!r:.80}")
-        return self._storage(str(pid[2]), pid[1].dtype)
+        storage = self._storage(str(pid[2]), pid[1].dtype)
+        if self._legacy:
+            storage.nbytes = int(pid[4]) * pid[1].dtype.itemsize
+        return storage
 
 
 def _to_refs(path: str, obj: Any) -> Any:
@@ -152,9 +168,65 @@ def read_torch_zip(path: str) -> Any:
                     raise Unsupported("one storage read as two dtypes")
                 return seen[key]
 
-            obj = _Unpickler(data, storage).load()
+            obj = _Unpickler(io.BytesIO(data), storage).load()
     except Unsupported:
         raise
     except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong
         raise Unsupported(f"{type(e).__name__}: {e}") from None
     return _to_refs(path, obj)
+
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_PROTOCOL = 1001
+
+
+def read_torch_legacy(path: str) -> Any:
+    """Unpickle ``path`` (legacy, non-zip torch.save) without torch; tensors become TensorRefs."""
+    try:
+        with open(path, "rb") as f:
+            def plain() -> Any:  # the small pickles around the object: no globals, no storages
+                return _Unpickler(f, _no_storage, legacy=True).load()
+
+            if plain() != _LEGACY_MAGIC or plain() != _LEGACY_PROTOCOL:
+                raise Unsupported("not a torch.save file")
+            info = plain()
+            if not isinstance(info, dict) or info.get("little_endian") is not True:
+                raise Unsupported("big-endian data")
+            seen: Dict[str, _Storage] = {}
+
+            def storage(key: str, dtype: StoredDType) -> _Storage:
+                if key not in seen:
+                    seen[key] = _Storage(dtype, -1, 0)
+                if seen[key].dtype != dtype:
+                    raise Unsupported("one storage read as two dtypes")
+                return seen[key]
+
+            obj = _Unpickler(f, storage, legacy=True).load()
+            keys = plain()
+            if not isinstance(keys, list) or set(keys) != set(seen):
+                raise Unsupported("storage keys do not match the pickle")
+            pos, end = f.tell(), os.fstat(f.fileno()).st_size
+            for key in keys:  # each: int64 element count, then the bytes
+                st = seen[key]
+                f.seek(pos)
+                head = f.read(8)
+                if len(head) != 8 or struct.unpack("<q", head)[0] * st.dtype.itemsize != st.nbytes:
+                    raise Unsupported(f"storage {key}: size does not match the pickle")
+                st.offset = pos + 8
+                pos = st.offset + st.nbytes
+            if pos > end:
+                raise Unsupported("truncated")
+    except Unsupported:
+        raise
+    except Exception as e:  # damaged file: say what is wrong
+        raise Unsupported(f"{type(e).__name__}: {e}") from None
+    return _to_refs(path, obj)
+
+
+def _no_storage(key: str, dtype: StoredDType) -> _Storage:
+    raise Unsupported("a storage outside the object's pickle")
+
+
+def read_torch_file(path: str) -> Any:
+    """:func:`read_torch_zip` or :func:`read_torch_legacy`, whichever format ``path`` is in."""
+    return read_torch_zip(path) if zipfile.is_zipfile(path) else read_torch_legacy(path)

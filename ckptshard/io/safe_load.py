@@ -153,9 +153,15 @@ def load_lazy(path: str, trust_pickles: bool = False) -> Any:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(
-            f"{path}: not a zip-format torch.save checkpoint (truncated, corrupted, or legacy format)"
-        )
+        from .pickle_reader import Unsupported, read_torch_legacy
+
+        try:  # the legacy format: torch can only load it whole, the torch-free reader lazily
+            return read_torch_legacy(path)
+        except Unsupported as e:
+            raise CheckpointError(
+                f"{path}: not a zip-format torch.save checkpoint, nor a legacy one read lazily ({e}): "
+                "truncated, corrupted, or needs re-saving with a current torch.save"
+            ) from None
     return _to_refs(path, safe_torch_load(path, path, trust_pickles))
 
 

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..layout.model import Part, ShardedLayout, layout_from_metadata
 from .containers import Container, PartSpec, detect
 from .discover import ShardFiles, find_shards
-from .pickle_reader import Unsupported, read_torch_zip
+from .pickle_reader import Unsupported, read_torch_file
 from .safe_load import TensorRef, load_lazy
 from .tree import get_path, leaves
 
@@ -66,7 +66,7 @@ def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> 
     """
     if torch_free and not trust_pickles and not os.environ.get("CKPTSHARD_TORCH_READER"):
         try:
-            return [read_torch_zip(p) for p in paths]
+            return [read_torch_file(p) for p in paths]
         except Unsupported:
             pass
     return [load_lazy(p, trust_pickles) for p in paths]
