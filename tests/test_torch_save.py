@@ -93,8 +93,44 @@ def test_refuses_what_it_cannot_write(tmp_path, bad):
         write_skeleton(str(tmp_path / "x.pt"), {"x": bad})
 
 
-def test_files_of_4_gib_go_through_torch(tmp_path):
-    """zip64 is torch's job: a skeleton that would pass 4 GiB is refused before any offset overflows."""
-    big = Fill((2**30 + 1,), StoredDType("float32"), ())
-    with pytest.raises(Unsupported, match="zip64"):
-        write_skeleton(str(tmp_path / "x.pt"), {"a": Fill((10,), StoredDType("float32"), ()), "big": big})
+def test_files_past_4_gib_are_zip64_and_load_in_torch(tmp_path):
+    """A 4.5 GiB skeleton (sparse: data left as holes) is zip64, as torch.save writes it, and torch maps it."""
+    big = Fill((9 * 2**27,), StoredDType("float32"), ())
+    small = Fill((10,), StoredDType("int64"), ())
+    path = tmp_path / "x.pt"
+    offsets = write_skeleton(str(path), {"a": small, "big": big, "n": 3})
+    assert os.path.getsize(path) > 4 * 2**30 and offsets[id(big)] > 0 and offsets[id(small)] < 2**32
+    got = torch.load(path, weights_only=True, mmap=True)
+    assert got["big"].shape == (9 * 2**27,) and got["big"].dtype == torch.float32 and got["n"] == 3
+    assert torch.equal(got["a"], torch.zeros(10, dtype=torch.int64))
+    assert float(got["big"][-1]) == 0.0  # mapped at the right place: the hole reads as zeros
+    with zipfile.ZipFile(path) as z:
+        sizes = {i.filename.split("/", 1)[1]: i.file_size for i in z.infolist()}
+    assert sizes["data/1"] == 9 * 2**29 and sizes["data/0"] == 80
+
+
+def test_zip64_layout_of_small_files_reads_back_everywhere(fixtures, tmp_path, monkeypatch):
+    """zip64 forced on small outputs: torch, zipfile's CRC check and ckptshard's own reader all read them."""
+    import ckptshard.io.torch_save as torch_save
+    from ckptshard.io.pickle_reader import read_torch_zip
+
+    src = src_of(fixtures[3], "fairseq")
+    consolidate(src, str(tmp_path / "plain.pt"), container=True, optimizer=True, progress=False)
+    reshard(src, str(tmp_path / "plain-re"), 2, progress=False)
+    monkeypatch.setattr(torch_save, "FORCE_ZIP64", True)
+    consolidate(src, str(tmp_path / "z64.pt"), container=True, optimizer=True, progress=False)
+    reshard(src, str(tmp_path / "z64-re"), 2, progress=False)
+    pairs = [(tmp_path / "z64.pt", tmp_path / "plain.pt")] + [
+        (p, tmp_path / "plain-re" / p.name) for p in sorted((tmp_path / "z64-re").glob("*-shard*.pt"))]
+    assert len(pairs) == 3
+    for z64, plain in pairs:
+        with open(z64, "rb") as f:
+            assert f.read(8)[4:6] == (45).to_bytes(2, "little")  # version needed: zip64
+        with zipfile.ZipFile(z64) as z:
+            assert z.testzip() is None
+        got, want = torch.load(z64, weights_only=True, mmap=True), torch.load(plain, weights_only=True)
+        got_leaves, want_leaves = list(leaves(got)), list(leaves(want))
+        assert [p for p, _ in got_leaves] == [p for p, _ in want_leaves]
+        for (path, g), (_, w) in zip(got_leaves, want_leaves):
+            assert (torch.equal(g, w) and g.dtype == w.dtype) if isinstance(w, torch.Tensor) else g == w, (z64, path)
+        assert [p for p, _ in leaves(read_torch_zip(str(z64)))] == [p for p, _ in want_leaves]

@@ -13,8 +13,9 @@ written as globals. Tensor data is left as holes for the caller to fill;
 
 Only what the torch-free reader produces is written (dicts, lists, tuples,
 strings, numbers, ``argparse.Namespace``, ``Size`` and Fills with
-StoredDTypes); anything else, and files that would need zip64 (4 GiB),
-raise :class:`Unsupported` and the caller uses torch.save.
+StoredDTypes); anything else raises :class:`Unsupported` and the caller
+uses torch.save. Past 4 GiB the file is zip64, as torch.save writes it:
+8-byte sizes and offsets in extra fields, data descriptors and end records.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from .zip_crc import LOCAL_HEADER, LOCAL_SIG
 PREFIX = "archive"  # what torch.save names the folder when given a file object
 ALIGN = 64
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)
+FORCE_ZIP64 = False  # tests: the zip64 layout for small files too
 _CLASS_OF_DTYPE = {dtype: name for name, dtype in STORAGE_CLASSES.items()}
 _FLAGS = 0x0808  # sizes and CRC in a data descriptor; UTF-8 names (as torch's writer)
 
@@ -113,9 +115,8 @@ _PLAIN = {dict, collections.OrderedDict, list, tuple, str, bytes, int, float, bo
           argparse.Namespace}
 
 
-def _padding(pos: int, name: bytes) -> bytes:
-    """The extra field that puts the data of a record whose header starts at ``pos`` on a 64-byte boundary."""
-    start = pos + 30 + len(name)
+def _padding(start: int) -> bytes:
+    """The extra field that puts data on a 64-byte boundary when the field itself begins at ``start``."""
     pad = (-(start + 4)) % ALIGN
     return b"FB" + struct.pack("<H", pad) + b"Z" * pad
 
@@ -145,15 +146,21 @@ def write_zip(f: Any, tree: Any) -> Skeleton:
     central: List[bytes] = []
     offsets: Dict[int, int] = {}
     holes: List[Tuple[int, int, int]] = []  # (data start, size, index of its central directory entry)
+    records = len(small) + len(pickler.storages) + len(tail)
+    nbytes = sum(len(d) for _, d in small + tail) + sum(st.fill.nbytes for st in pickler.storages)
+    # zip64 (as torch.save does past 4 GiB): 8-byte sizes and offsets in extra fields, descriptors and end records.
+    zip64 = FORCE_ZIP64 or nbytes + records * (256 + ALIGN) > _ZIP32_LIMIT or records > 0xFFFF
+    version = 45 if zip64 else 0
     pos = 0
 
     def record(name: str, data: bytes, size: int) -> int:
         nonlocal pos
-        if pos + size + 4096 > _ZIP32_LIMIT:
-            raise Unsupported("a file of 4 GiB or more needs zip64")
         raw_name = f"{PREFIX}/{name}".encode()
-        extra = _padding(pos, raw_name)
-        header = LOCAL_HEADER.pack(LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw_name), len(extra))
+        z64 = struct.pack("<HHQQ", 1, 16, 0, 0) if zip64 else b""  # sizes: 0 here, in the descriptor
+        extra = z64 + _padding(pos + LOCAL_HEADER.size + len(raw_name) + len(z64))
+        in_header = 0xFFFFFFFF if zip64 else 0
+        header = LOCAL_HEADER.pack(LOCAL_SIG, version, _FLAGS, 0, 0, 0, 0, in_header, in_header, len(raw_name),
+                                   len(extra))
         f.seek(pos)
         f.write(header + raw_name + extra)
         start = pos + len(header) + len(raw_name) + len(extra)
@@ -161,10 +168,17 @@ def write_zip(f: Any, tree: Any) -> Skeleton:
             f.write(data)
         crc = zlib.crc32(data) if data else 0
         f.seek(start + size)
-        f.write(b"PK\x07\x08" + struct.pack("<III", crc, size, size))
-        central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size,
-                                   len(raw_name), 0, 0, 0, 0, 0, pos) + raw_name)
-        pos = start + size + 16
+        descriptor = struct.pack("<IQQ" if zip64 else "<III", crc, size, size)
+        f.write(b"PK\x07\x08" + descriptor)
+        if zip64:
+            entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, crc,
+                                0xFFFFFFFF, 0xFFFFFFFF, len(raw_name), 28, 0, 0, 0, 0, 0xFFFFFFFF)
+            entry += raw_name + struct.pack("<HHQQQ", 1, 24, size, size, pos)
+        else:
+            entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size,
+                                len(raw_name), 0, 0, 0, 0, 0, pos) + raw_name
+        central.append(entry)
+        pos = start + size + 4 + len(descriptor)
         return start
 
     for name, data in small:
@@ -176,13 +190,21 @@ def write_zip(f: Any, tree: Any) -> Skeleton:
     for name, data in tail:
         record(name, data, len(data))
     cd = b"".join(central)
-    if pos + len(cd) > _ZIP32_LIMIT or len(central) > 0xFFFF:
-        raise Unsupported("a file of 4 GiB or more needs zip64")
+    if not zip64 and pos + len(cd) > _ZIP32_LIMIT:
+        raise AssertionError("zip64 needed but not planned")  # the estimate above is an upper bound
     entry_at = [pos]
     for c in central:
         entry_at.append(entry_at[-1] + len(c))
     f.seek(pos)
-    f.write(cd + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(central), len(central), len(cd), pos, 0))
+    n = len(central)
+    if zip64:
+        end64 = pos + len(cd)
+        f.write(cd + struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, version, version, 0, 0, n, n, len(cd), pos)
+                + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
+                + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), 0xFFFFFFFF,
+                              0xFFFFFFFF, 0))
+    else:
+        f.write(cd + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, len(cd), pos, 0))
     # A record's CRC sits after its data: in its data descriptor (4 bytes past the signature) and its central entry.
     return Skeleton(offsets, [(start, size, (start + size + 4, entry_at[i] + 16)) for start, size, i in holes])
 
