@@ -10,11 +10,16 @@ from ckptshard.fsdp.launch import free_port
 
 
 def same_files(a, b):
+    """Same files, same bytes; the manifests list the same sizes and digests (whoever computed them)."""
+    import json
+
     names = sorted(os.listdir(a))
     assert names == sorted(os.listdir(b))
     for n in names:
         if n != "ckptshard-manifest.json":
             assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    manifests = [json.loads((x / "ckptshard-manifest.json").read_text())["files"] for x in (a, b)]
+    assert manifests[0] == manifests[1]
     return names
 
 
@@ -128,3 +133,29 @@ def test_a_torchrun_rank_leaves_the_group_then_exits_0_and_a_plain_run_does_noth
     fake.is_initialized = lambda: False
     parallel.leave_torchrun()
     assert calls == []
+
+
+def test_workers_hash_what_they_write_so_the_parent_reads_no_output_again(fixtures, tmp_path, monkeypatch):
+    """--jobs: each worker returns its files' digests; the parent hashes only what it wrote itself."""
+    import json
+
+    from blake3 import blake3
+
+    import ckptshard.io.manifest as manifest
+    from ckptshard.execute.consolidate import consolidate
+    from ckptshard.execute.convert import convert
+
+    read_again = []
+    real = manifest.file_digest
+    monkeypatch.setattr(manifest, "file_digest", lambda p, *a: (read_again.append(os.path.basename(p)), real(p, *a))[1])
+    src = str(fixtures[3] / "vissl")
+    reshard(src, str(tmp_path / "re"), 5, progress=False, jobs=2)
+    consolidate(str(fixtures[3] / "fairseq"), str(tmp_path / "idx"), max_shard_size=2000, progress=False, jobs=2)
+    convert(str(fixtures[3] / "fairseq"), str(tmp_path / "dcp"), "dcp", progress=False, jobs=2)
+    # Only the files the parent writes itself: VISSL's shard_list, the index, DCP's .metadata.
+    assert sorted(read_again) == [".metadata", "model.safetensors.index.json", "model_phase2.torch"]
+    for out in ("re", "idx", "dcp"):
+        files = json.loads((tmp_path / out / "ckptshard-manifest.json").read_text())["files"]
+        assert len(files) >= 3
+        for name, info in files.items():
+            assert info["blake3"] == blake3((tmp_path / out / name).read_bytes()).hexdigest(), (out, name)

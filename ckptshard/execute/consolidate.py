@@ -17,7 +17,14 @@ from ..io.writers import safetensors_index_plan, tree_nbytes, write_index_json, 
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
-from .parallel import leads, run_checked, torchrun_world, write_folder_across_ranks, write_safetensors_in_processes
+from .parallel import (
+    Digests,
+    leads,
+    run_checked,
+    torchrun_world,
+    write_folder_across_ranks,
+    write_safetensors_in_processes,
+)
 from .progress import progress_bar
 
 TORCH_SUFFIXES = (".pt", ".pth", ".torch", ".bin", ".ckpt")
@@ -105,29 +112,31 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copie
     files, index = safetensors_index_plan(tensors, max_bytes, SAFETENSORS_META)
     names = [name for name, _ in files]
 
-    def finish(folder: str, _: Any = None, hashed: Optional[Hashes] = None) -> None:
+    def finish(folder: str, shares: Sequence[Digests] = (), hashed: Optional[Hashes] = None) -> None:
         written = names + [write_index_json(folder, index)]
-        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, hashed))
+        digests = {k: v for s in shares for k, v in s.items()}
+        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, hashed, digests))
 
     world = torchrun_world()
     if world is not None:
         rank, n = world
 
-        def share(folder: str) -> None:
-            with Copier() as own:
+        def share(folder: str) -> Digests:  # each rank hashes what it writes: rank 0 reads nothing again
+            with Copier() as own, Hashes() as hashed:
                 for name, group in files[rank::n]:
-                    write_safetensors(os.path.join(folder, name), group, own, None, SAFETENSORS_META)
+                    write_safetensors(os.path.join(folder, name), group, own, None, SAFETENSORS_META, hashed)
+                return {name: hashed.digest(os.path.join(folder, name)) for name, _ in files[rank::n]}
 
         write_folder_across_ranks(out, overwrite, sum(f.nbytes for f in tensors.values()), rank, n, share, finish)
         return
     with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
         if jobs > 1:
-            write_safetensors_in_processes([(group, os.path.join(tmp, name)) for name, group in files], jobs,
-                                           SAFETENSORS_META, tick)
+            finish(tmp, [write_safetensors_in_processes([(group, os.path.join(tmp, name)) for name, group in files],
+                                                        jobs, SAFETENSORS_META, tick)])
         else:
             for name, group in files:
                 write_safetensors(os.path.join(tmp, name), group, copier, tick, SAFETENSORS_META, hashes)
-        finish(tmp, hashed=None if jobs > 1 else hashes)
+            finish(tmp, hashed=hashes)
 
 
 def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,

@@ -39,7 +39,7 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
-from .parallel import leads, map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
+from .parallel import Digests, leads, map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -128,25 +128,35 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     check_space(out, plan.nbytes)
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+            digests: Digests = {}
             if jobs > 1:
-                names = _dcp_in_processes(tmp, plan, jobs, tick)
+                names, digests = _dcp_in_processes(tmp, plan, jobs, tick)
             else:
                 names = write_dcp(tmp, plan, copier, tick, hashes)
-            write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", hashes))
+            write_json(os.path.join(tmp, MANIFEST),
+                       build_manifest(tmp, names, source_info(ckpt), "convert", hashes, digests))
     return ConvertResult([out], len(weights), plan.nbytes)
 
 
-def _write_data_file_job(job: Tuple[str, List[Any]]) -> List[Tuple[int, int]]:
-    with Copier() as copier:
-        return write_data_file(job[0], job[1], copier)
+def _write_data_file_hashed(path: str, items: List[Any]) -> Tuple[List[Tuple[int, int]], str]:
+    """One data file and its digest, hashed by the process that writes it."""
+    with Copier() as copier, Hashes() as hashes:
+        placed = write_data_file(path, items, copier, None, hashes)
+        return placed, hashes.digest(path)
 
 
-def _dcp_in_processes(folder: str, plan: Any, jobs: int, tick: Any) -> List[str]:
+def _write_data_file_job(job: Tuple[str, List[Any]]) -> Tuple[List[Tuple[int, int]], str]:
+    return _write_data_file_hashed(*job)
+
+
+def _dcp_in_processes(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List[str], Digests]:
     """``--jobs``: the data files in local processes (the same bytes), then .metadata here."""
     files = data_files(plan)
-    work = [(os.path.join(folder, n), items) for n, items in zip(data_file_names(files), files)]
+    names = data_file_names(files)
+    work = [(os.path.join(folder, n), items) for n, items in zip(names, files)]
     done = (lambda job: tick(sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))) if tick else None
-    return write_metadata(folder, plan, files, map_in_processes(_write_data_file_job, work, jobs, done))
+    results = map_in_processes(_write_data_file_job, work, jobs, done)
+    return write_metadata(folder, plan, files, [p for p, _ in results]), dict(zip(names, (d for _, d in results)))
 
 
 def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, Any], rank: int, world: int) -> None:
@@ -154,15 +164,15 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
     files = data_files(plan)
     names = data_file_names(files)
 
-    def share(folder: str) -> Dict[int, Any]:
-        with Copier() as copier:
-            return {i: write_data_file(os.path.join(folder, names[i]), files[i], copier)
-                    for i in range(rank, len(files), world)}
+    def share(folder: str) -> Dict[int, Any]:  # placements and digest of each file this rank writes
+        return {i: _write_data_file_hashed(os.path.join(folder, names[i]), files[i])
+                for i in range(rank, len(files), world)}
 
     def finish(folder: str, shares: List[Dict[int, Any]]) -> None:
-        placed = {i: p for s in shares for i, p in s.items()}
-        written = write_metadata(folder, plan, files, [placed[i] for i in range(len(files))])
-        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, "convert"))
+        done = {i: r for s in shares for i, r in s.items()}
+        written = write_metadata(folder, plan, files, [done[i][0] for i in range(len(files))])
+        digests = {names[i]: done[i][1] for i in done}
+        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, "convert", None, digests))
 
     write_folder_across_ranks(out, overwrite, plan.nbytes, rank, world, share, finish)
 

@@ -17,25 +17,31 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..errors import CheckpointError
 from ..io.fill import Copier
+from ..io.hashing import Hashes
 from ..io.writers import tree_nbytes, write_safetensors, write_torch
 
 T = TypeVar("T")
 
 Job = Tuple[Any, str]  # (tree, output path)
+Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
 
 
-def _write_one(job: Job, trust_pickles: bool) -> str:
+def _write_one(job: Job, trust_pickles: bool) -> Tuple[str, str]:
     tree, path = job
-    with Copier() as copier:
-        write_torch(path, tree, copier, None, trust_pickles)
-    return path
+    with Copier() as copier, Hashes() as hashes:
+        write_torch(path, tree, copier, None, trust_pickles, hashes)
+        return path, hashes.digest(path)  # also waits for the hash pass's CRCs: the file is final
 
 
-def _write_one_safetensors(job: Job, metadata: Optional[Dict[str, str]]) -> str:
+def _write_one_safetensors(job: Job, metadata: Optional[Dict[str, str]]) -> Tuple[str, str]:
     tensors, path = job
-    with Copier() as copier:
-        write_safetensors(path, tensors, copier, None, metadata)
-    return path
+    with Copier() as copier, Hashes() as hashes:
+        write_safetensors(path, tensors, copier, None, metadata, hashes)
+        return path, hashes.digest(path)
+
+
+def by_name(written: Sequence[Tuple[str, str]]) -> Digests:
+    return {os.path.basename(path): digest for path, digest in written}
 
 
 def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
@@ -52,17 +58,18 @@ def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
         return out
 
 
-def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: Optional[Any] = None) -> List[str]:
-    """Write every job, ``n`` processes at a time."""
-    return map_in_processes(_write_one, jobs, n, (lambda job: tick(tree_nbytes(job[0]))) if tick else None,
-                            trust_pickles)
+def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: Optional[Any] = None) -> Digests:
+    """Write every job, ``n`` processes at a time; each file's digest, computed by the process that wrote it."""
+    return by_name(map_in_processes(_write_one, jobs, n, (lambda job: tick(tree_nbytes(job[0]))) if tick else None,
+                                    trust_pickles))
 
 
 def write_safetensors_in_processes(jobs: Sequence[Job], n: int, metadata: Optional[Dict[str, str]],
-                                   tick: Optional[Any] = None) -> List[str]:
-    """Write every ({name: Fill}, path) job as a safetensors file, ``n`` processes at a time."""
-    return map_in_processes(_write_one_safetensors, jobs, n,
-                            (lambda job: tick(sum(f.nbytes for f in job[0].values()))) if tick else None, metadata)
+                                   tick: Optional[Any] = None) -> Digests:
+    """Write every ({name: Fill}, path) job as a safetensors file, ``n`` processes at a time; digests by name."""
+    return by_name(map_in_processes(_write_one_safetensors, jobs, n,
+                                    (lambda job: tick(sum(f.nbytes for f in job[0].values()))) if tick else None,
+                                    metadata))
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:

@@ -18,7 +18,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
-from .parallel import run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
+from .parallel import Digests, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
 from .progress import progress_bar
 
 
@@ -62,36 +62,40 @@ def write_rank_files(
     with Copier() as copier, Hashes() as hashes, progress_bar(total, desc, progress) as tick:
         with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
             work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
+            digests: Digests = {}
             if jobs > 1:
-                write_in_processes(work, jobs, template.trust_pickles, tick)
+                digests = write_in_processes(work, jobs, template.trust_pickles, tick)
             else:
                 for tree, path in work:
                     write_torch(path, tree, copier, tick, template.trust_pickles, hashes)
-            names = _finish_folder(template, tmp, names, source, desc, hashes)
+            names = _finish_folder(template, tmp, names, source, desc, hashes, digests)
     return ReshardResult(dst, names, total)
 
 
 def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str,
-                   hashes: Optional[Hashes] = None) -> List[str]:
+                   hashes: Optional[Hashes] = None, digests: Optional[Digests] = None) -> List[str]:
     """VISSL's shard_list and the manifest, once every rank file is written."""
     names = list(names)
     if template.container.kind == "vissl":
         list_name = shard_list_name(template)
         save_plain(os.path.join(folder, list_name), {"type": "shard_list", "shards": names})
         names.append(list_name)
-    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], hashes))
+    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], hashes, digests))
     return names
 
 
 def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names: List[str], dst: str, desc: str,
                        overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int) -> ReshardResult:
-    def share(folder: str) -> None:
-        with Copier() as copier:
+    def share(folder: str) -> Digests:  # each rank hashes what it writes: rank 0 reads nothing again
+        with Copier() as copier, Hashes() as hashes:
             for i in range(rank, len(trees), world):
-                write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles)
+                write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles, hashes)
+            return {names[i]: hashes.digest(os.path.join(folder, names[i])) for i in range(rank, len(trees), world)}
 
-    written = write_folder_across_ranks(dst, overwrite, total, rank, world, share,
-                                        lambda folder, _: _finish_folder(template, folder, names, source, desc))
+    def finish(folder: str, shares: List[Digests]) -> List[str]:
+        return _finish_folder(template, folder, names, source, desc, digests={k: v for s in shares for k, v in s.items()})
+
+    written = write_folder_across_ranks(dst, overwrite, total, rank, world, share, finish)
     return ReshardResult(dst, written or names, total)
 
 

@@ -39,15 +39,17 @@ def manifest_path(output: str) -> str:
 
 
 def build_manifest(root: str, names: List[str], source: Mapping[str, Any], command: str,
-                   hashes: Optional[Hashes] = None) -> Dict[str, Any]:
+                   hashes: Optional[Hashes] = None, digests: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """Describe files ``names`` under folder ``root`` (or ``root`` itself when ``names`` is ``[""]``).
 
-    Files hashed while they were written (``hashes``) are not read again.
+    Files hashed while they were written, here (``hashes``) or by the
+    worker process or torchrun rank that wrote them (``digests``, by name),
+    are not read again.
     """
     files = {}
     for n in names:
         p = os.path.join(root, n) if n else root
-        digest = hashes.digest(p) if hashes else None
+        digest = (digests or {}).get(n) or (hashes.digest(p) if hashes else None)
         files[n or os.path.basename(root)] = {"bytes": os.path.getsize(p), ALGORITHM: digest or file_digest(p)}
     return {"ckptshard_version": __version__, "command": command, "source": dict(source), "files": files}
 
