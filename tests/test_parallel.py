@@ -159,3 +159,11 @@ def test_workers_hash_what_they_write_so_the_parent_reads_no_output_again(fixtur
         assert len(files) >= 3
         for name, info in files.items():
             assert info["blake3"] == blake3((tmp_path / out / name).read_bytes()).hexdigest(), (out, name)
+
+
+def test_a_size_reaches_a_worker_as_itself_not_as_torch_size():
+    """Unpickling torch.Size in a worker would import torch there (1-2 s, ~200 MiB each)."""
+    from ckptshard.dtypes import Size
+    from ckptshard.execute.parallel import map_in_processes
+
+    assert map_in_processes(type, [Size((2, 3))], 1) == [Size]

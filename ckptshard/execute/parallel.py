@@ -13,14 +13,25 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
+from ..dtypes import Size
 from ..errors import CheckpointError
 from ..io.fill import Copier
 from ..io.hashing import Hashes
 from ..io.writers import tree_nbytes, write_safetensors, write_torch
 
 T = TypeVar("T")
+
+
+def _size_as_itself(size: Size) -> Any:
+    return Size, (tuple(size),)
+
+
+# Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
+# itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
+ForkingPickler.register(Size, _size_as_itself)
 
 Job = Tuple[Any, str]  # (tree, output path)
 Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
