@@ -43,15 +43,15 @@ def is_dcp(path: str) -> bool:
 class _FrameRecorder(io.RawIOBase):
     """A seekable sink that keeps what is written, as (position, bytes) runs.
 
-    The zip writer seeks over the tensor's bytes: forward seeks are recorded
-    as holes, to be filled from the sources.
+    The zip writer seeks over the tensor's bytes, which stay out of the runs:
+    the frame's data offset comes from the writer, and the bytes from the
+    sources.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.pos = self.end = 0
         self.runs: List[Tuple[int, bytearray]] = []
-        self.holes: List[Tuple[int, int]] = []
 
     def writable(self) -> bool:
         return True
@@ -71,8 +71,6 @@ class _FrameRecorder(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         new = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else self.end + offset
-        if new > self.end:
-            self.holes.append((self.end, new - self.end))
         self.pos = new
         self.end = max(self.end, new)
         return new
