@@ -20,6 +20,7 @@ from ..plan.transform import cast_dtype, parse_renames, transform
 from .parallel import (
     Digests,
     leads,
+    merged,
     run_checked,
     torchrun_world,
     write_folder_across_ranks,
@@ -114,8 +115,8 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copie
 
     def finish(folder: str, shares: Sequence[Digests] = (), hashed: Optional[Hashes] = None) -> None:
         written = names + [write_index_json(folder, index)]
-        digests = {k: v for s in shares for k, v in s.items()}
-        write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, hashed, digests))
+        write_json(os.path.join(folder, MANIFEST),
+                   build_manifest(folder, written, source, command, hashed, merged(shares)))
 
     world = torchrun_world()
     if world is not None:

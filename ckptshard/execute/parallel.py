@@ -55,6 +55,11 @@ def by_name(written: Sequence[Tuple[str, str]]) -> Digests:
     return {os.path.basename(path): digest for path, digest in written}
 
 
+def merged(shares: Sequence[Digests]) -> Digests:
+    """Every rank's (or worker batch's) digests, in one mapping."""
+    return {name: digest for share in shares for name, digest in share.items()}
+
+
 def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
                      done: Optional[Callable[[Any], None]] = None, *args: Any) -> List[T]:
     """``fn(job, *args)`` for every job, ``n`` processes at a time (spawned: safe beside torch's

@@ -18,7 +18,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
-from .parallel import Digests, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
+from .parallel import Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
 from .progress import progress_bar
 
 
@@ -93,7 +93,7 @@ def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names:
             return {names[i]: hashes.digest(os.path.join(folder, names[i])) for i in range(rank, len(trees), world)}
 
     def finish(folder: str, shares: List[Digests]) -> List[str]:
-        return _finish_folder(template, folder, names, source, desc, digests={k: v for s in shares for k, v in s.items()})
+        return _finish_folder(template, folder, names, source, desc, digests=merged(shares))
 
     written = write_folder_across_ranks(dst, overwrite, total, rank, world, share, finish)
     return ReshardResult(dst, written or names, total)
