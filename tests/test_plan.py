@@ -1,4 +1,5 @@
 """Copy plans: every target element written exactly once, from the right source element."""
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,3 +45,17 @@ def test_pieces_of_a_member_reassemble_it(numel, m, data):
         for i in range(p.length):
             got[p.dst_start + i] = src[p.src_rank][p.src_start + i]
     assert got == list(range(start, stop))
+
+
+def test_elementwise_state_tells_moments_from_per_parameter_scalars():
+    from ckptshard.io.safe_load import TensorRef
+    from ckptshard.plan.shard import elementwise_state
+
+    def t(*shape):
+        return TensorRef("x", 0, torch.float32, shape, ())
+
+    assert elementwise_state("exp_avg", [t(), t(3, 2)])  # a 0-dim member beside others
+    assert not elementwise_state("step", [t(), t()])  # torch's tensor step
+    assert elementwise_state("exp_avg", [t(), t()])  # only 0-dim parameters: the name decides
+    assert not elementwise_state("step", [3.0, 3.0])
+    assert not elementwise_state("exp_avg", [])

@@ -22,10 +22,11 @@ from ..io.fill import materialize
 from ..io.full_state import full_state_refs
 from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
-from ..layout.model import join
+from ..layout.model import ShardedLayout, join, part_from_metadata
 from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer, resharded_optimizer
 from ..plan.reshard import resharded_state
+from ..plan.shard import sharded_optimizer_from_full
 from .state import init_param_attributes
 from .wrapping import reset_lazy_init_recursive
 
@@ -140,6 +141,13 @@ def load_full_state(model: nn.Module, full: Mapping[str, torch.Tensor], only: Se
     return report
 
 
+def live_layout(model: Any) -> ShardedLayout:
+    """An FSDP root's wrapping as a layout, from this rank's own metadata (no collectives)."""
+    dtypes = {k: v.dtype for k, v in model.local_state_dict().items()}
+    part = part_from_metadata("model", "", model.local_metadata_dict(), dtypes)
+    return ShardedLayout(world_size=model.world_size, parts=(part,))
+
+
 def _structure(md: Mapping[str, Any]) -> Any:
     return (
         [(i["fsdp_path"], [(k, list(v["names"]), [list(s) for s in v["shapes"]]) for k, v in i["params"].items()])
@@ -210,13 +218,16 @@ def load_checkpoint(
             if not _is_fsdp(model):
                 raise CheckpointError("optimizer state loads only into an FSDP-wrapped model (the flat parameters)")
             if ckpt is not None:
-                full_optim = materialize(consolidated_optimizer(ckpt))
+                full_optim = consolidated_optimizer(ckpt)
             elif full_optimizer is not None:
-                full_optim = materialize(load_lazy(full_optimizer, trust_pickles))
+                full_optim = load_lazy(full_optimizer, trust_pickles)
             else:
                 raise CheckpointError(f"{src}: a full state dict holds no optimizer state: pass full_optimizer=")
             init_param_attributes(model)
-            optimizer.load_state_dict(model.get_shard_from_optim_state_dict(full_optim))
+            # Our own sharding, not get_shard_from_optim_state_dict: fairscale's loses the state of
+            # any flat parameter that holds a 0-dim parameter (see plan.shard.elementwise_state).
+            shard = sharded_optimizer_from_full(live_layout(model), full_optim, model.world_size, model.rank)
+            optimizer.load_state_dict(materialize(shard))
             report.optimizer_loaded = True
     reset_lazy_init_recursive(model)
     return report

@@ -144,6 +144,19 @@ def _instance_from_metadata(
     )
 
 
+def part_from_metadata(label: str, prefix: str, md: Mapping[str, Any], dtypes: Mapping[str, Any], where: str = "") -> Part:
+    """One rank's ``local_metadata_dict()`` as a layout part, unchecked against other ranks.
+
+    ``dtypes``: the dtype of each stored tensor, by local key. Enough for
+    the plan of a live model, whose metadata is the same on every rank.
+    """
+    where = where or label
+    if not isinstance(md, Mapping) or "param_metadata" not in md:
+        raise CheckpointError(f"{where}: metadata has no param_metadata")
+    instances = tuple(_instance_from_metadata(e, dtypes, where) for e in md["param_metadata"])
+    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md.get("buffer_names", [])))
+
+
 def layout_from_metadata(
     label: str,
     prefix: str,
@@ -158,11 +171,8 @@ def layout_from_metadata(
     Raises :class:`CheckpointError` naming the first disagreement.
     """
     world_size = len(metadata)
-    where0 = f"{label} rank 0"
     md0 = metadata[0]
-    if not isinstance(md0, Mapping) or "param_metadata" not in md0:
-        raise CheckpointError(f"{where0}: metadata has no param_metadata")
-    instances = tuple(_instance_from_metadata(e, dtypes, where0) for e in md0["param_metadata"])
+    instances = part_from_metadata(label, prefix, md0, dtypes, f"{label} rank 0").instances
     for rank in range(world_size):
         where = f"{label} rank {rank}"
         md = metadata[rank]

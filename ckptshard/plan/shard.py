@@ -9,7 +9,7 @@ from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint
 from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..layout.chunking import shard_range
-from ..layout.model import FlatParam, metadata_of
+from ..layout.model import FlatParam, ShardedLayout, metadata_of
 
 Tensorish = Union[TensorRef, Fill]  # a stored tensor, or one planned from pieces (e.g. DCP chunks)
 
@@ -97,21 +97,40 @@ def sharded_files(
     """Every rank's file at ``world_size``: ``ckpt``'s wrapping, ``full``'s values, ``full_optim`` sharded alongside."""
     return [
         sharded_from_full(ckpt, full, world_size, rank,
-                          None if full_optim is None else sharded_optimizer_from_full(ckpt, full_optim, world_size, rank))
+                          None if full_optim is None else sharded_optimizer_from_full(ckpt.layout, full_optim, world_size, rank))
         for rank in range(world_size)
     ]
 
 
-def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
+# Per-parameter scalars of torch's optimizers: 0-dim under these names is not a 0-dim parameter's moment.
+SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def elementwise_state(key: str, values: List[Any]) -> bool:
+    """Whether optimizer state ``key`` of one flat param's members holds a value per element (a moment).
+
+    ``values``: the state under ``key`` of each member, in flat order. Any
+    member's tensor with a dimension decides it. A 0-dim parameter's moments
+    are 0-dim like ``step``, so where every value is 0-dim the name decides
+    (fairscale's ``get_shard_from_optim_state_dict`` keeps such a moment as a
+    scalar and loses the instance's state).
+    """
+    if not values or not all(is_tensor(v) for v in values):
+        return False
+    return any(len(v.shape) > 0 for v in values) or key not in SCALAR_STATE
+
+
+def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
     """Rank ``rank``'s optimizer shard from fairscale's full format (``gather_full_optim_state_dict``).
 
-    Like ``get_shard_from_optim_state_dict``: per-parameter tensors are
+    ``layout``: the FSDP wrapping to shard for (a checkpoint's, or a live
+    model's). Like ``get_shard_from_optim_state_dict``: per-element state is
     concatenated in flat order and sharded, other values are copied.
     """
     for key in ("state", "param_groups", "param_id_map"):
         if key not in full_optim:
             raise CheckpointError(f"full optimizer state lacks {key!r}: not fairscale's full format")
-    flat = ckpt.layout.flat_params()
+    flat = layout.flat_params()
     # Global ids number every flat parameter's members in order, frozen ones included.
     flat_of_gid = [j for j, (_, _, fp) in enumerate(flat) for _ in fp.members]
     by_local: Dict[int, List[int]] = {}
@@ -134,7 +153,7 @@ def sharded_optimizer_from_full(ckpt: ShardedCheckpoint, full_optim: Mapping[str
         entries = [full_optim["state"][g] for g in gids]
         s: Dict[str, Any] = {}
         for k, v in entries[0].items():
-            if is_tensor(v) and len(v.shape) > 0:
+            if elementwise_state(k, [e.get(k) for e in entries]):
                 refs = [e[k] for e in entries]
                 for m, ref in zip(fp.members, refs):
                     if ref.numel != m.numel:

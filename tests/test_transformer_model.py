@@ -1,0 +1,152 @@
+"""A second real fairscale model (ckptshard.testing.transformer): 0-dim parameter, empty instance, AdamW amsgrad.
+
+Trained at world size 3; consolidate, reshard to 2 and 5, shard and the DCP
+round trip are checked against live FSDP. One known fairscale bug shows
+here: ``get_shard_from_optim_state_dict`` treats a 0-dim parameter's
+moments as per-rank scalars and replaces the whole flat parameter's moments
+with them. There the live model decides: ckptshard's shard, loaded into
+FSDP at N and gathered again, gives back the original optimizer state.
+"""
+import hashlib
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptshard.execute.consolidate import consolidate
+from ckptshard.execute.convert import convert
+from ckptshard.execute.reshard import reshard, shard
+from ckptshard.testing import transformer
+from conftest import _once
+from test_reshard import assert_optim_equal, assert_tensors_equal
+
+SOURCE_WS = 3
+TARGETS = (2, 5)
+VARIANTS = ("flat", "unflat")
+SHARD = "checkpoint_last-shard{}.pt"
+
+
+@pytest.fixture(scope="module")
+def lm(cache_root, tmp_path_factory):
+    """Source shards (cached), ckptshard's outputs from them, and what live FSDP at each target makes of those."""
+    code = hashlib.sha256(pathlib.Path(transformer.__file__).read_bytes()).hexdigest()[:8]  # its own cache key
+    src_root = _once(cache_root / f"tinylm-ws{SOURCE_WS}-{code}",
+                     lambda d: transformer.build_transformer_fixture(d, list(VARIANTS), SOURCE_WS))
+    work = tmp_path_factory.mktemp("tinylm")
+    out = {"src_root": src_root, "work": work}
+    for v in VARIANTS:
+        src = str(src_root / v / "src")
+        (work / v).mkdir()
+        consolidate(src, str(work / v / "full.pt"), optimizer=v == "flat", progress=False)
+        for n in TARGETS:
+            reshard(src, str(work / v / f"r{n}"), n, progress=False)
+    for n in TARGETS:
+        jobs = [{"variant": v, "ref": str(src_root / v / "ref.pt"), "resharded": str(work / v / f"r{n}"),
+                 "full": str(work / v / "full.pt"),
+                 "full_optim": str(work / v / "full.optim.pt") if v == "flat" else None,
+                 "out": str(work / v / f"check{n}")} for v in VARIANTS]
+        transformer.check_at_world_size(jobs, n)
+    return out
+
+
+def ref(lm, v):
+    return torch.load(lm["src_root"] / v / "ref.pt", weights_only=True)
+
+
+def shard_file(folder: pathlib.Path, r: int):
+    return torch.load(folder / SHARD.format(r), weights_only=True)
+
+
+def check(lm, v, n, r):
+    return torch.load(lm["work"] / v / f"check{n}" / f"rank{r}.pt", weights_only=True)
+
+
+def test_fixture_has_what_it_claims(lm):
+    meta = shard_file(lm["src_root"] / "flat" / "src", 0)["fsdp_metadata"]["param_metadata"]
+    root = meta[0]["params"]["flat_param_0"]
+    assert root["names"][0] == "temperature" and list(root["shapes"][0]) == []
+    assert any(not e["params"] for e in meta), "an FSDP instance without parameters"
+    assert meta[0]["shared_param_info"], "tied embeddings"
+    unflat = shard_file(lm["src_root"] / "unflat" / "src", 0)["fsdp_metadata"]["param_metadata"]
+    assert any(len(e["params"]) > 1 and "flat_param_0" not in e["params"] for e in unflat)
+    osd = shard_file(lm["src_root"] / "flat" / "src", 0)["last_optimizer_state"]
+    assert set(osd["state"][0]) >= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+def test_consolidated_equals_live_state_dict(lm, v, tmp_path):
+    want = dict(sorted(ref(lm, v)["full"].items()))
+    got = torch.load(lm["work"] / v / "full.pt", weights_only=True)
+    assert_tensors_equal(dict(sorted(got.items())), want, ".pt")
+    consolidate(str(lm["src_root"] / v / "src"), str(tmp_path / "full.safetensors"), progress=False)
+    assert_tensors_equal(dict(sorted(load_file(tmp_path / "full.safetensors").items())), want, ".safetensors")
+
+
+def test_consolidated_optimizer_equals_gather_full_optim_state_dict(lm):
+    got = torch.load(lm["work"] / "flat" / "full.optim.pt", weights_only=True)
+    want = ref(lm, "flat")["full_optim"]
+    assert got["state"][0]["exp_avg"].shape == ()  # the 0-dim parameter's moments, in its shape
+    assert_optim_equal(got, want, "full optim")
+    assert got["param_id_map"] == want["param_id_map"]
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+@pytest.mark.parametrize("n", TARGETS)
+def test_resharded_weights_equal_fsdp_at_target(lm, v, n):
+    for r in range(n):
+        got, want = shard_file(lm["work"] / v / f"r{n}", r), check(lm, v, n, r)
+        assert_tensors_equal(got["model"], want["local"], f"rank {r}")
+        assert got["fsdp_metadata"] == want["meta"]
+        assert got["extra_state"] == {"epoch": 1}
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+@pytest.mark.parametrize("n", TARGETS)
+def test_fsdp_at_target_loads_resharded_to_the_same_full_state(lm, v, n):
+    got = check(lm, v, n, 0)["regathered"]
+    assert_tensors_equal(dict(sorted(got.items())), dict(sorted(ref(lm, v)["full"].items())), "after load")
+
+
+@pytest.mark.parametrize("n", TARGETS)
+def test_resharded_optimizer_gathers_back_to_the_original(lm, n):
+    # The live model is the oracle: FSDP at N loads our shards and gathers the original full state.
+    assert_optim_equal(check(lm, "flat", n, 0)["regathered_optim"], ref(lm, "flat")["full_optim"], f"regathered at {n}")
+
+
+@pytest.mark.parametrize("n", TARGETS)
+def test_fairscale_get_shard_loses_the_0dim_instance_state_and_we_do_not(lm, n):
+    for r in range(n):
+        mine = shard_file(lm["work"] / "flat" / f"r{n}", r)
+        ours, local = mine["last_optimizer_state"], mine["model"]
+        theirs = check(lm, "flat", n, r)["optim"]
+        for pid, st in theirs["state"].items():
+            for k, t in st.items():
+                if not torch.is_tensor(t) or k == "step":
+                    continue
+                if pid == 0:  # fairscale: the temperature's 0-dim moment, not the flat param's shard
+                    assert t.numel() == 1 and ours["state"][0][k].shape == local["flat_param_0"].shape, (r, k)
+                else:
+                    assert torch.equal(ours["state"][pid][k], t), (r, pid, k)
+
+
+@pytest.mark.parametrize("n", TARGETS)
+def test_shard_and_dcp_round_trip_equal_reshard(lm, n, tmp_path):
+    src, work = str(lm["src_root"] / "flat" / "src"), lm["work"] / "flat"
+    shard(str(work / "full.pt"), src, str(tmp_path / "s"), n, optimizer=str(work / "full.optim.pt"), progress=False)
+    convert(src, str(tmp_path / "c.dcp"), "dcp", progress=False)
+    convert(str(tmp_path / "c.dcp"), str(tmp_path / "d"), "fairscale", like=src, world_size=n, progress=False)
+    for out in ("s", "d"):
+        for r in range(n):
+            got, want = shard_file(tmp_path / out, r), shard_file(work / f"r{n}", r)
+            assert_tensors_equal(got["model"], want["model"], f"{out} rank {r}")
+            assert_optim_equal(got["last_optimizer_state"], want["last_optimizer_state"], f"{out} rank {r}")
+
+
+@pytest.mark.parametrize("n", TARGETS)
+def test_load_checkpoint_full_path_loads_the_resharded_optimizer_state(lm, n):
+    for r in range(n):
+        rec = check(lm, "flat", n, r)
+        assert rec["loaded_path"] == "full"
+        want = shard_file(lm["work"] / "flat" / f"r{n}", r)["last_optimizer_state"]
+        assert_optim_equal(rec["loaded_optim"], want, f"rank {r}")
