@@ -43,6 +43,7 @@ def lm(cache_root, tmp_path_factory):
             reshard(src, str(work / v / f"r{n}"), n, progress=False)
     for n in TARGETS:
         jobs = [{"variant": v, "ref": str(src_root / v / "ref.pt"), "resharded": str(work / v / f"r{n}"),
+                 "src": str(src_root / v / "src"),
                  "full": str(work / v / "full.pt"),
                  "full_optim": str(work / v / "full.optim.pt") if v == "flat" else None,
                  "out": str(work / v / f"check{n}")} for v in VARIANTS]
@@ -68,8 +69,11 @@ def test_fixture_has_what_it_claims(lm):
     assert root["names"][0] == "temperature" and list(root["shapes"][0]) == []
     assert any(not e["params"] for e in meta), "an FSDP instance without parameters"
     assert meta[0]["shared_param_info"], "tied embeddings"
-    unflat = shard_file(lm["src_root"] / "unflat" / "src", 0)["fsdp_metadata"]["param_metadata"]
-    assert any(len(e["params"]) > 1 and "flat_param_0" not in e["params"] for e in unflat)
+    unflat = shard_file(lm["src_root"] / "unflat" / "src", 0)
+    assert any(len(e["params"]) > 1 and "flat_param_0" not in e["params"] for e in unflat["fsdp_metadata"]["param_metadata"])
+    # The root unflattened: the tie is stored under both names, in no metadata.
+    assert "out.weight" in unflat["model"] and "temperature" in unflat["model"]
+    assert not any("out.weight" in e["params"] or e["shared_param_info"] for e in unflat["fsdp_metadata"]["param_metadata"])
     osd = shard_file(lm["src_root"] / "flat" / "src", 0)["last_optimizer_state"]
     assert set(osd["state"][0]) >= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
 
@@ -108,6 +112,20 @@ def test_fsdp_at_target_loads_resharded_to_the_same_full_state(lm, v, n):
     assert_tensors_equal(dict(sorted(got.items())), dict(sorted(ref(lm, v)["full"].items())), "after load")
 
 
+@pytest.mark.parametrize("v", VARIANTS)
+@pytest.mark.parametrize("n", TARGETS)
+def test_resharded_optimizer_equals_moments_sharded_by_fsdp_at_target(lm, v, n):
+    # Entry i is the i-th of root.parameters() at N; each moment, sharded by FSDP at N as if it were
+    # the weights. With the root unflattened its own parameters interleave with the children's.
+    for r in range(n):
+        ours = shard_file(lm["work"] / v / f"r{n}", r)["last_optimizer_state"]["state"]
+        want = check(lm, v, n, r)["moments"]
+        assert sorted(ours) == sorted(want["exp_avg"]), r
+        for k, entries in want.items():
+            for i, t in entries.items():
+                assert ours[i][k].shape == t.shape and torch.equal(ours[i][k], t), (r, i, k)
+
+
 @pytest.mark.parametrize("n", TARGETS)
 def test_resharded_optimizer_gathers_back_to_the_original(lm, n):
     # The live model is the oracle: FSDP at N loads our shards and gathers the original full state.
@@ -141,6 +159,17 @@ def test_shard_and_dcp_round_trip_equal_reshard(lm, n, tmp_path):
             got, want = shard_file(tmp_path / out, r), shard_file(work / f"r{n}", r)
             assert_tensors_equal(got["model"], want["model"], f"{out} rank {r}")
             assert_optim_equal(got["last_optimizer_state"], want["last_optimizer_state"], f"{out} rank {r}")
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+@pytest.mark.parametrize("n", TARGETS)
+def test_load_checkpoint_gives_the_live_full_state_both_ways(lm, v, n):
+    want = dict(sorted(ref(lm, v)["full"].items()))
+    rec = check(lm, v, n, 0)
+    for how in ("full", "local"):
+        path, got = rec[f"loaded_{how}"]
+        assert path == how
+        assert_tensors_equal(dict(sorted(got.items())), want, how)
 
 
 @pytest.mark.parametrize("n", TARGETS)

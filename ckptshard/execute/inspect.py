@@ -40,6 +40,9 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
                 "tied": [[part.prefix + inst.logical_name(s), part.prefix + inst.logical_name(d)] for s, d in inst.shared],
                 "no_broadcast_optim_state": inst.no_broadcast_optim_state,
             })
+        for alias, target in part.aliases:  # a tie FSDP stored under both names (unflattened instance)
+            owner = next(i for i in instances if any(f["key"] == target for f in i["flat_params"]))
+            owner["tied"].append([part.prefix + target, part.prefix + alias])
         buffers = []
         for b in part.stored_buffers:
             ref = sd0[b]

@@ -67,11 +67,15 @@ def _non_persistent(m: nn.Module) -> set:
 def _fsdp_logical_keys(m: Any) -> List[str]:
     """The names ``m.state_dict()`` would have, from its metadata (no collectives)."""
     md = m.local_metadata_dict()
-    keys = []
+    keys, flat = [], set()
     for inst in md["param_metadata"]:
-        for info in inst["params"].values():
+        for key, info in inst["params"].items():
             keys += [join(inst["fsdp_path"], n) for n in info["names"]]
+            flat.add(join(inst["fsdp_path"], key))
         keys += [join(inst["fsdp_path"], dst) for _, dst in inst["shared_param_info"]]
+    # A tie inside an unflattened instance: one Parameter under two names, in no metadata.
+    known = set(keys) | flat
+    keys += [n for n in (_clean(n) for n, _ in m.named_parameters(remove_duplicate=False)) if n not in known]
     skip = _non_persistent(m)
     return keys + [b for b in md["buffer_names"] if b not in skip]
 

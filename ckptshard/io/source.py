@@ -41,9 +41,9 @@ class ShardedCheckpoint:
         return get_path(self.objs[rank], self.container.optimizer)
 
     def extra_keys(self, part_index: int) -> List[str]:
-        """Stored tensors that are neither flat params nor buffers: carried as is."""
+        """Stored tensors that are neither flat params, their aliases nor buffers: carried as is."""
         part = self.layout.parts[part_index]
-        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers)
+        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers) | {a for a, _ in part.aliases}
         return [k for k in self.local_state(0, part_index) if k not in known]
 
 
@@ -136,6 +136,24 @@ def check_same_save(ckpt: ShardedCheckpoint) -> None:
                 )
 
 
+def _aliases(part: Part, sds: List[Mapping[str, TensorRef]]) -> Tuple[Tuple[str, str], ...]:
+    """Stored keys that are, on every rank, the very tensor of an unflattened parameter (same storage and view).
+
+    FSDP with ``flatten_parameters=False`` shards a tied parameter once, in
+    place, and ``state_dict`` then lists the one tensor under both names;
+    torch.save keeps it one storage. Its metadata names only the first.
+    """
+    unflat = [inst.local_key(fp) for inst, fp in part.flat_params() if not fp.flattened]
+    known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers)
+    out = []
+    for key in sds[0]:
+        if key not in known:
+            target = next((t for t in unflat if all(sd.get(key) == sd[t] for sd in sds)), None)
+            if target is not None:
+                out.append((key, target))
+    return tuple(out)
+
+
 def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
     sds = [_check_state_dict(get_path(o, spec.weights), f"{p} [{spec.label}]") for o, p in zip(objs, files.paths)]
     metas = [get_path(o, spec.metadata) for o in objs]
@@ -144,7 +162,8 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
     part = layout_from_metadata(spec.label, spec.prefix, metas, numels, dtypes)
     # local_metadata_dict() lists every named buffer, state_dict() only the
     # persistent ones: a listed buffer no rank stored is non-persistent.
-    part = dataclasses.replace(part, unstored_buffers=tuple(b for b in part.buffers if not any(b in sd for sd in sds)))
+    part = dataclasses.replace(part, unstored_buffers=tuple(b for b in part.buffers if not any(b in sd for sd in sds)),
+                               aliases=_aliases(part, sds))
     for r, sd in enumerate(sds):
         for name in part.stored_buffers:
             if name not in sd:

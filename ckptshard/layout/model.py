@@ -10,7 +10,7 @@ concatenation of its *members*, the logical parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from ..dtypes import Size
@@ -78,13 +78,27 @@ class Part:
     instances: Tuple[FsdpInstance, ...]
     buffers: Tuple[str, ...]  # as the metadata lists them
     unstored_buffers: Tuple[str, ...] = ()  # listed, never stored: non-persistent
+    # Both below are derived from the stored keys, which the fingerprint hashes already: kept out of
+    # repr (and so of the fingerprint) so that it stays what earlier versions computed.
+    # (stored key, local key of the unflattened parameter it is): a tie inside an unflattened
+    # instance, which FSDP stores under both names but lists in neither params nor shared_param_info.
+    aliases: Tuple[Tuple[str, str], ...] = field(default=(), repr=False)
+    # Stored keys in the order the rank's state dict lists them, which is the order of
+    # model.parameters() and so of optimizer entries: an unflattened instance's own parameters
+    # interleave with its child instances' flat params.
+    stored_order: Tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def stored_buffers(self) -> Tuple[str, ...]:
         return tuple(b for b in self.buffers if b not in self.unstored_buffers)
 
     def flat_params(self) -> List[Tuple[FsdpInstance, FlatParam]]:
-        return [(inst, fp) for inst in self.instances for fp in inst.flat_params]
+        """Every flat param in the order optimizers number them (the stored order, where known)."""
+        pairs = [(inst, fp) for inst in self.instances for fp in inst.flat_params]
+        if self.stored_order:
+            pos = {k: i for i, k in enumerate(self.stored_order)}
+            pairs.sort(key=lambda p: pos.get(p[0].local_key(p[1]), len(pos)))
+        return pairs
 
 
 @dataclass(frozen=True)
@@ -154,7 +168,8 @@ def part_from_metadata(label: str, prefix: str, md: Mapping[str, Any], dtypes: M
     if not isinstance(md, Mapping) or "param_metadata" not in md:
         raise CheckpointError(f"{where}: metadata has no param_metadata")
     instances = tuple(_instance_from_metadata(e, dtypes, where) for e in md["param_metadata"])
-    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md.get("buffer_names", [])))
+    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md.get("buffer_names", [])),
+                stored_order=tuple(dtypes))
 
 
 def layout_from_metadata(
@@ -167,12 +182,14 @@ def layout_from_metadata(
     """Build one part's layout from every rank's metadata and check they agree.
 
     ``shard_numels[r][key]`` is the number of elements rank ``r`` stored
-    under ``key``; ``dtypes`` the dtype of each stored tensor (rank 0).
+    under ``key``; ``dtypes`` the dtype of each stored tensor (rank 0), in
+    the order it stored them.
     Raises :class:`CheckpointError` naming the first disagreement.
     """
     world_size = len(metadata)
     md0 = metadata[0]
-    instances = part_from_metadata(label, prefix, md0, dtypes, f"{label} rank 0").instances
+    part = part_from_metadata(label, prefix, md0, dtypes, f"{label} rank 0")
+    instances = part.instances
     for rank in range(world_size):
         where = f"{label} rank {rank}"
         md = metadata[rank]
@@ -206,7 +223,7 @@ def layout_from_metadata(
                     raise CheckpointError(f"{where}: {key} holds {got} elements, expected {want}")
         if list(md.get("buffer_names", [])) != list(md0.get("buffer_names", [])):
             raise CheckpointError(f"{where}: buffer names differ from rank 0's")
-    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md0.get("buffer_names", [])))
+    return part
 
 
 def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:

@@ -40,6 +40,8 @@ def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
                     out[part.prefix + inst.logical_name(m.name)] = Fill(m.shape, fp.dtype, member_sources(refs, inst, fp, m))
             for src, dst in inst.shared:
                 out[part.prefix + inst.logical_name(dst)] = out[part.prefix + inst.logical_name(src)]
+        for alias, target in part.aliases:  # unflattened: the target's local key is its logical name
+            out[part.prefix + alias] = out[part.prefix + target]
         for name in part.stored_buffers:
             out[part.prefix + name] = whole(sds[0][name])
         for key in ckpt.extra_keys(pi):

@@ -26,8 +26,11 @@ def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, r
     part = ckpt.layout.parts[part_index]
     flat = {inst.local_key(fp): (inst, fp) for inst, fp in part.flat_params()}
     sds = [ckpt.local_state(r, part_index) for r in range(M)]
+    aliases = dict(part.aliases)
     out: Dict[str, Fill] = {}
     for key in sds[0]:
+        if key in aliases:
+            continue
         if key not in flat or world_size == M:
             out[key] = whole(sds[own][key])
             continue
@@ -42,7 +45,9 @@ def resharded_state(ckpt: ShardedCheckpoint, part_index: int, world_size: int, r
             for p in reshard_pieces(fp.numel, M, world_size, rank)
         )
         out[key] = Fill(fp.local_shape(world_size), fp.dtype, sources)
-    return out
+    for alias, target in part.aliases:
+        out[alias] = out[target]  # one tensor under two names, as FSDP saves it
+    return {k: out[k] for k in sds[0]}
 
 
 def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int, optimizer: bool = True) -> Any:

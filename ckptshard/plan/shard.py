@@ -28,6 +28,8 @@ def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, Tensoris
                     wrong.append(f"{name} {list(full[name].shape)} (plan: {list(m.shape)})")
             for src, dst in inst.shared:
                 expected.add(part.prefix + inst.logical_name(dst))
+        for alias, _ in part.aliases:
+            expected.add(part.prefix + alias)
         for b in part.stored_buffers:
             expected.add(part.prefix + b)
             if part.prefix + b not in full:
@@ -71,7 +73,10 @@ def sharded_from_full(
         sd: Dict[str, Fill] = {}
         template = ckpt.local_state(0, pi)
         flat = {inst.local_key(fp): (inst, fp) for inst, fp in part.flat_params()}
+        aliases = dict(part.aliases)
         for key in template:
+            if key in aliases:
+                continue
             if key in flat:
                 inst, fp = flat[key]
                 refs = [full[part.prefix + inst.logical_name(m.name)] for m in fp.members]
@@ -80,6 +85,9 @@ def sharded_from_full(
                 sd[key] = as_fill(full[part.prefix + key])
             else:
                 raise CheckpointError(f"{part.prefix}{key}: stored in the template shards but not in the full state dict")
+        for alias, target in part.aliases:
+            sd[alias] = sd[target]
+        sd = {k: sd[k] for k in template}
         set_path(tree, spec.weights, sd)
         set_path(tree, spec.metadata, metadata_of(part, world_size, rank))
     if ckpt.container.optimizer is not None:

@@ -5,15 +5,24 @@ fixture lacks: a 0-dim parameter first in the root's flat parameter, input
 and output embeddings tied in the root, an FSDP instance nested inside a
 wrapped ``TransformerEncoderLayer``, an FSDP instance with no parameters at
 all, a non-persistent buffer in the root and AdamW with ``amsgrad`` (three
-moments). Variant ``unflat`` also wraps one layer with
-``flatten_parameters=False`` (many parameters in one unflattened instance);
-fairscale cannot gather optimizer state for that one, so it has no
-``full_optim``.
+moments). Variant ``unflat`` also wraps one layer and the root with
+``flatten_parameters=False``: many parameters in one unflattened instance,
+the root's own parameters interleaved with its children's flat params in
+``parameters()`` order, and the tied embeddings stored under both names.
+fairscale cannot gather optimizer state for that one (no ``full_optim``).
+
+Optimizer oracle that needs no fairscale optimizer utility: each moment is
+loaded *as the weights* (``load_local_state_dict`` of the moment shards at
+the source world size, then ``state_dict()``: the full moment), and FSDP at
+the target world size shards it like weights (``load_state_dict``, then
+``local_state_dict()``). Entry ``i`` is the ``i``-th of
+``root.parameters()``.
 
 ``build_transformer_fixture(out, variants, world_size)`` writes per variant::
 
     {variant}/src/checkpoint_last-shard{r}.pt   model, fsdp_metadata, last_optimizer_state, extra_state
-    {variant}/ref.pt                            {"full": state_dict(), "full_optim": gather_full_optim_state_dict()}
+    {variant}/ref.pt                            {"full": state_dict(), "full_optim": gather_full_optim_state_dict(),
+                                                 "moments": {name: full moment as a state dict}}
 
 ``check_at_world_size(jobs, n)`` then records, for ckptshard's outputs made
 from those, what real FSDP at world size ``n`` makes of them (see
@@ -67,7 +76,39 @@ def wrap(variant: str, seed: int) -> Any:
     m.layers[2].linear1 = FSDP(m.layers[2].linear1, **base)  # nested inside the next instance
     m.layers[2] = FSDP(m.layers[2], **base)
     m.act = FSDP(m.act, **base)  # no parameters
-    return FSDP(m, **base)
+    return FSDP(m, flatten_parameters=variant != "unflat", **base)
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def param_keys(root: Any) -> List[str]:
+    """The local state-dict key of each of ``root.parameters()``, i.e. of each optimizer entry."""
+    drop = ("_fsdp_wrapped_module", "_fpw_module")
+    return [".".join(p for p in n.split(".") if p not in drop) for n, _ in root.named_parameters()]
+
+
+def _with(local: Dict[str, torch.Tensor], keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``local`` with the tensor under each of ``keys`` (and under any alias: same memory) replaced."""
+    def where(t: torch.Tensor) -> Any:
+        return (t.data_ptr(), tuple(t.shape)) if t.numel() else id(t)
+
+    new = {where(local[k]): v for k, v in zip(keys, values)}
+    return {k: new.get(where(t), t) for k, t in local.items()}
+
+
+def full_moments(root: Any, optim: torch.optim.Optimizer, variant: str) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Each moment as a full state dict: its shards loaded as the weights of a fresh model (collective)."""
+    from ..fsdp.state import init_param_attributes
+
+    state, keys, local = optim.state_dict()["state"], param_keys(root), root.local_state_dict()
+    out = {}
+    for k in MOMENTS:
+        carrier = wrap(variant, 5)
+        init_param_attributes(carrier)
+        carrier.load_local_state_dict(_with(local, keys, [state[i][k] for i in range(len(keys))]), strict=True)
+        out[k] = carrier.state_dict()
+    return out
 
 
 def make_optimizer(root: Any) -> torch.optim.Optimizer:
@@ -85,6 +126,7 @@ def _train_worker(rank: int, world_size: int, out: str, variants: List[str]) -> 
             optim.step()
             optim.zero_grad()
         full = root.state_dict()
+        moments = full_moments(root, optim, variant)
         full_optim = root.gather_full_optim_state_dict(optim) if variant != "unflat" else None
         folder = os.path.join(out, variant)
         os.makedirs(os.path.join(folder, "src"), exist_ok=True)
@@ -92,7 +134,7 @@ def _train_worker(rank: int, world_size: int, out: str, variants: List[str]) -> 
                     "last_optimizer_state": optim.state_dict(), "extra_state": {"epoch": 1}},
                    os.path.join(folder, "src", f"checkpoint_last-shard{rank}.pt"))
         if rank == 0:
-            torch.save({"full": full, "full_optim": full_optim}, os.path.join(folder, "ref.pt"))
+            torch.save({"full": full, "full_optim": full_optim, "moments": moments}, os.path.join(folder, "ref.pt"))
 
 
 def build_transformer_fixture(out: str, variants: List[str], world_size: int) -> None:
@@ -100,15 +142,17 @@ def build_transformer_fixture(out: str, variants: List[str], world_size: int) ->
 
 
 def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None:
-    """Per job (variant, ref, resharded, full, full_optim, out), what FSDP at ``world_size`` makes of it.
+    """Per job (variant, ref, src, resharded, full, full_optim, out), what FSDP at ``world_size`` makes of it.
 
     ``oracle``: ``local_state_dict``/``local_metadata_dict`` after loading the
-    full state, and ``get_shard_from_optim_state_dict`` of the full optimizer
-    state. ``regathered``: ckptshard's resharded shard loaded with
+    full state, ``get_shard_from_optim_state_dict`` of the full optimizer
+    state, and ``moments``: per optimizer entry, each moment sharded as
+    weights. ``regathered``: ckptshard's resharded shard loaded with
     ``load_local_state_dict`` and ``optimizer.load_state_dict``, then
-    ``state_dict()`` and ``gather_full_optim_state_dict()``. ``loaded``: the
-    optimizer state ``ckptshard.fsdp.loading.load_checkpoint`` gives from the
-    consolidated files (its full-state path).
+    ``state_dict()`` and ``gather_full_optim_state_dict()``. ``loaded_*``: what
+    ``ckptshard.fsdp.loading.load_checkpoint`` loads from the consolidated
+    files (its full-state path; weights, then the optimizer) and from the
+    source shards (resharded on the fly).
     """
     from ..fsdp.loading import load_checkpoint
     from ..fsdp.state import init_param_attributes
@@ -121,7 +165,13 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
         if ref["full_optim"] is not None:
             oracle_optim = root.get_shard_from_optim_state_dict(copy.deepcopy(ref["full_optim"]))
         record: Dict[str, Any] = {"local": root.local_state_dict(), "meta": root.local_metadata_dict(),
-                                  "optim": oracle_optim}
+                                  "optim": oracle_optim, "moments": {}}
+        keys = param_keys(root)
+        for k, full_k in ref["moments"].items():
+            carrier = wrap(job["variant"], 4)
+            carrier.load_state_dict(full_k)
+            local_k = carrier.local_state_dict()
+            record["moments"][k] = {i: local_k[key] for i, key in enumerate(keys)}
 
         root = wrap(job["variant"], 2)
         optim = make_optimizer(root)
@@ -133,6 +183,10 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
         if ref["full_optim"] is not None:
             record["regathered_optim"] = root.gather_full_optim_state_dict(optim)
 
+        for how, src in (("full", job["full"]), ("local", job["src"])):  # weights only, both loading paths
+            root = wrap(job["variant"], 3)
+            report = load_checkpoint(root, src)
+            record[f"loaded_{how}"] = (report.path, root.state_dict())
         if job.get("full_optim"):
             root = wrap(job["variant"], 3)
             optim = make_optimizer(root)
