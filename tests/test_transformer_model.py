@@ -38,14 +38,14 @@ def lm(cache_root, tmp_path_factory):
     for v in VARIANTS:
         src = str(src_root / v / "src")
         (work / v).mkdir()
-        consolidate(src, str(work / v / "full.pt"), optimizer=v == "flat", progress=False)
+        consolidate(src, str(work / v / "full.pt"), optimizer=True, progress=False)
         for n in TARGETS:
             reshard(src, str(work / v / f"r{n}"), n, progress=False)
     for n in TARGETS:
         jobs = [{"variant": v, "ref": str(src_root / v / "ref.pt"), "resharded": str(work / v / f"r{n}"),
                  "src": str(src_root / v / "src"),
                  "full": str(work / v / "full.pt"),
-                 "full_optim": str(work / v / "full.optim.pt") if v == "flat" else None,
+                 "full_optim": str(work / v / "full.optim.pt"),
                  "out": str(work / v / f"check{n}")} for v in VARIANTS]
         transformer.check_at_world_size(jobs, n)
     return out
@@ -148,9 +148,10 @@ def test_fairscale_get_shard_loses_the_0dim_instance_state_and_we_do_not(lm, n):
                     assert torch.equal(ours["state"][pid][k], t), (r, pid, k)
 
 
+@pytest.mark.parametrize("v", VARIANTS)
 @pytest.mark.parametrize("n", TARGETS)
-def test_shard_and_dcp_round_trip_equal_reshard(lm, n, tmp_path):
-    src, work = str(lm["src_root"] / "flat" / "src"), lm["work"] / "flat"
+def test_shard_and_dcp_round_trip_equal_reshard(lm, v, n, tmp_path):
+    src, work = str(lm["src_root"] / v / "src"), lm["work"] / v
     shard(str(work / "full.pt"), src, str(tmp_path / "s"), n, optimizer=str(work / "full.optim.pt"), progress=False)
     convert(src, str(tmp_path / "c.dcp"), "dcp", progress=False)
     convert(str(tmp_path / "c.dcp"), str(tmp_path / "d"), "fairscale", like=src, world_size=n, progress=False)
@@ -172,10 +173,11 @@ def test_load_checkpoint_gives_the_live_full_state_both_ways(lm, v, n):
         assert_tensors_equal(dict(sorted(got.items())), want, how)
 
 
+@pytest.mark.parametrize("v", VARIANTS)
 @pytest.mark.parametrize("n", TARGETS)
-def test_load_checkpoint_full_path_loads_the_resharded_optimizer_state(lm, n):
+def test_load_checkpoint_full_path_loads_the_resharded_optimizer_state(lm, v, n):
     for r in range(n):
-        rec = check(lm, "flat", n, r)
+        rec = check(lm, v, n, r)
         assert rec["loaded_path"] == "full"
-        want = shard_file(lm["work"] / "flat" / f"r{n}", r)["last_optimizer_state"]
+        want = shard_file(lm["work"] / v / f"r{n}", r)["last_optimizer_state"]
         assert_optim_equal(rec["loaded_optim"], want, f"rank {r}")
