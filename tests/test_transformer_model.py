@@ -181,3 +181,17 @@ def test_load_checkpoint_full_path_loads_the_resharded_optimizer_state(lm, v, n)
         assert rec["loaded_path"] == "full"
         want = shard_file(lm["work"] / v / f"r{n}", r)["last_optimizer_state"]
         assert_optim_equal(rec["loaded_optim"], want, f"rank {r}")
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+def test_load_checkpoint_into_the_unwrapped_model(lm, v):
+    from ckptshard.fsdp.loading import load_checkpoint
+
+    want = dict(sorted(ref(lm, v)["full"].items()))
+    for src in (lm["src_root"] / v / "src", lm["work"] / v / "full.pt"):
+        torch.manual_seed(7)
+        plain = transformer.TinyLM()
+        report = load_checkpoint(plain, str(src))
+        assert report.path == "full" and not report.skipped
+        assert_tensors_equal(dict(sorted(plain.state_dict().items())), want, str(src))
+        assert plain.out.weight is plain.embed.weight  # the tie survives the load
