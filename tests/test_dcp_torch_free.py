@@ -104,3 +104,58 @@ def test_convert_to_dcp_imports_no_torch_and_reads_back(fixtures, tmp_path):
     for n in names:
         assert (out / n).read_bytes() == (tmp_path / "again" / n).read_bytes(), n
     assert read_metadata(str(out)).version == DCP_VERSION
+
+
+def _no_torch_cli(*args):
+    code = ("import sys; from ckptshard.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("which", ["ours", "torch-saved"])
+def test_reading_dcp_imports_no_torch_and_equals_the_torch_reader(fixtures, fsdp2_runs, which, tmp_path, monkeypatch):
+    # "torch-saved": written by torch's own dcp.save from FSDP2 (DTensors, tensor step, param_groups values).
+    folder = str(fsdp2_runs["dcp"]["mixed3"] if which == "ours" else fsdp2_runs["saved"])
+    like = src_of(fixtures[3], "fairseq")
+    runs = {
+        "pt": ("convert", folder, "--to", "torch", "-o", str(tmp_path / "{}" / "full.pt"), "-q"),
+        "st": ("convert", folder, "--to", "safetensors", "-o", str(tmp_path / "{}" / "m.safetensors"),
+               "--select", "model.", "--strip-prefix", "model.", "-q"),
+        "fs": ("convert", folder, "--to", "fairscale", "--like", like, "-n", "2", "-o", str(tmp_path / "{}" / "fs"), "-q"),
+    }
+    for name, args in runs.items():
+        os.makedirs(tmp_path / "free", exist_ok=True)
+        assert _no_torch_cli(*(a.format("free") for a in args)) == "NO-TORCH", name
+    assert _no_torch_cli("inspect", folder) == "NO-TORCH"
+    # The same command through torch's classes and torch.load: the same safetensors bytes, .pt files
+    # that load to the same tree (torch lays out its own .pt files: a serialization id, record order).
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    from ckptshard.cli import main
+
+    for name, args in runs.items():
+        os.makedirs(tmp_path / "torch", exist_ok=True)
+        with pytest.raises(SystemExit) as e:
+            main([a.format("torch") for a in args])
+        assert not e.value.code, name
+    free, with_torch = sorted((tmp_path / "free").rglob("*")), sorted((tmp_path / "torch").rglob("*"))
+    assert [p.relative_to(tmp_path / "free") for p in free] == [p.relative_to(tmp_path / "torch") for p in with_torch]
+    from test_dcp import _assert_tree_equal
+
+    for a, b in zip(free, with_torch):
+        if a.suffix == ".safetensors":
+            assert a.read_bytes() == b.read_bytes(), a
+        elif a.suffix == ".pt":
+            _assert_tree_equal(torch.load(a, weights_only=True), torch.load(b, weights_only=True), str(a))
+
+
+def test_unflatten_state_dict_equals_torchs(fsdp2_runs):
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as theirs
+
+    from ckptshard.plan.dcp import unflatten_state_dict
+
+    flat = {"a.0.x": 1, "a.2": [3], "b.c": {"k": 2}, "d": 5, "e.1.0": 7}
+    mapping = {"a.0.x": ("a", 0, "x"), "a.2": ("a", 2), "b.c": ("b", "c"), "d": ("d",), "e.1.0": ("e", 1, 0)}
+    assert unflatten_state_dict(flat, mapping) == theirs(flat, mapping)

@@ -187,7 +187,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
               jobs: int) -> ConvertResult:
     if to == "dcp":
         raise CheckpointError(f"{src} is already a DCP checkpoint")
-    from ..io.dcp import open_dcp  # reading DCP unpickles torch's classes: torch from here
+    from ..io.dcp import open_dcp
 
     d = open_dcp(src, trust_pickles)
     inputs = tuple(os.path.join(src, f) for f in d.files)
@@ -225,7 +225,7 @@ def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_s
         raise CheckpointError("--to fairscale needs --like SRC: a fairscale checkpoint whose FSDP wrapping to follow")
     if dtype is not None:
         raise CheckpointError("--dtype does not apply to --to fairscale: shards keep the wrapping's dtypes")
-    template = open_checkpoint(like, trust_pickles)
+    template = open_checkpoint(like, trust_pickles, torch_free=d.torch_free)  # one kind of dtype
     full = transform(model_state(d.tree, d.folder), select, strip_prefix, renames)
     check_full_against_plan(template, full)
     full_optim = None

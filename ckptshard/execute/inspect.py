@@ -1,6 +1,7 @@
 """``inspect``: what a sharded checkpoint holds, without reading tensor data."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List
 
@@ -87,16 +88,13 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
 
 def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     """A DCP folder, from its ``.metadata`` alone: every entry, its dtype, shape and chunks."""
-    import torch
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from ..io.dcp import dcp_metadata
 
-    from ..io.dcp import read_metadata
-
-    md = read_metadata(folder, trust_pickles)
+    md = dcp_metadata(folder, trust_pickles)
     tensors, values, total = [], [], 0
     for name, smd in md.state_dict_metadata.items():
-        if isinstance(smd, TensorStorageMetadata):
-            nbytes = smd.size.numel() * torch.empty((), dtype=smd.properties.dtype).element_size()
+        if type(smd).__name__ == "TensorStorageMetadata":
+            nbytes = math.prod(smd.size) * smd.properties.dtype.itemsize
             total += nbytes
             tensors.append({"name": name, "dtype": _dtype(smd.properties.dtype), "shape": list(smd.size),
                             "chunks": len(smd.chunks), "bytes": nbytes})

@@ -26,11 +26,12 @@ import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from .safe_load import TensorRef
 from .tree import map_leaves
+from .window import FileWindow
 from .zip_crc import data_start
 
 
@@ -139,41 +140,51 @@ def _to_refs(path: str, obj: Any) -> Any:
     return map_leaves(obj, leaf)
 
 
-def read_torch_zip(path: str) -> Any:
+def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None) -> Any:
     """Unpickle ``path`` (zip-format torch.save) without torch; tensors become TensorRefs.
 
-    Raises :class:`Unsupported` for anything it does not handle, including
-    damaged files: the caller then uses torch.load, whose errors say why.
+    ``offset``/``length``: the zip is that part of the file (a DCP chunk);
+    TensorRefs still point into ``path``. Raises :class:`Unsupported` for
+    anything it does not handle, including damaged files: the caller then
+    uses torch.load, whose errors say why.
     """
     try:
-        with open(path, "rb") as raw, zipfile.ZipFile(raw) as zf:
-            pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
-            if len(pkls) != 1:
-                raise Unsupported("not one data.pkl")
-            prefix = pkls[0][: -len("data.pkl")]
-            names = set(zf.namelist())
-            if prefix + "byteorder" in names and zf.read(prefix + "byteorder").strip() != b"little":
-                raise Unsupported("big-endian data")
-            data = zf.read(pkls[0])
-            seen: Dict[str, _Storage] = {}
-
-            def storage(key: str, dtype: StoredDType) -> _Storage:
-                if key not in seen:
-                    info = zf.getinfo(f"{prefix}data/{key}")
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise Unsupported("compressed tensor data")
-                    start, _ = data_start(raw, info)
-                    seen[key] = _Storage(dtype, start, info.file_size)
-                if seen[key].dtype != dtype:
-                    raise Unsupported("one storage read as two dtypes")
-                return seen[key]
-
-            obj = _Unpickler(io.BytesIO(data), storage).load()
+        with open(path, "rb") as f:
+            raw: Any = f if offset == 0 and length is None else FileWindow(
+                f.fileno(), offset, os.fstat(f.fileno()).st_size - offset if length is None else length)
+            with zipfile.ZipFile(raw) as zf:
+                obj = _read_zip(zf, raw, offset)
     except Unsupported:
         raise
     except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong
         raise Unsupported(f"{type(e).__name__}: {e}") from None
     return _to_refs(path, obj)
+
+
+def _read_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
+    """The object of an open torch.save zip; storages' offsets are ``base`` + their place in ``raw``."""
+    pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pkls) != 1:
+        raise Unsupported("not one data.pkl")
+    prefix = pkls[0][: -len("data.pkl")]
+    names = set(zf.namelist())
+    if prefix + "byteorder" in names and zf.read(prefix + "byteorder").strip() != b"little":
+        raise Unsupported("big-endian data")
+    data = zf.read(pkls[0])
+    seen: Dict[str, _Storage] = {}
+
+    def storage(key: str, dtype: StoredDType) -> _Storage:
+        if key not in seen:
+            info = zf.getinfo(f"{prefix}data/{key}")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise Unsupported("compressed tensor data")
+            start, _ = data_start(raw, info)
+            seen[key] = _Storage(dtype, base + start, info.file_size)
+        if seen[key].dtype != dtype:
+            raise Unsupported("one storage read as two dtypes")
+        return seen[key]
+
+    return _Unpickler(io.BytesIO(data), storage).load()
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C

@@ -131,6 +131,31 @@ def flatten_state_dict(tree: Mapping[str, Any], is_leaf_tensor: Callable[[Any], 
     return flat, mapping
 
 
+def unflatten_state_dict(flat: Mapping[str, Any], mapping: Mapping[str, Path]) -> Dict[str, Any]:
+    """The nested state dict back from ``flat`` and the planner's ``mapping`` (torch's ``unflatten_state_dict``).
+
+    A str key makes a dict, an int a list, grown with None as needed.
+    """
+    nested: Dict[str, Any] = {}
+    for name, value in flat.items():
+        path = mapping[name]
+        cur: Any = nested
+        for prev, key in zip(path[:-1], path[1:]):
+            fresh: Any = {} if type(key) is str else []
+            if isinstance(cur, Mapping):
+                cur = cur.setdefault(prev, fresh)
+            else:
+                cur.extend([None] * (prev + 1 - len(cur)))
+                if cur[prev] is None:
+                    cur[prev] = fresh
+                cur = cur[prev]
+        last = path[-1]
+        if type(last) is int:
+            cur.extend([None] * (last + 1 - len(cur)))
+        cur[last] = value
+    return nested
+
+
 def plan_dcp(tree: Mapping[str, Any]) -> DcpPlan:
     """Flatten ``tree`` as ``dcp.save`` does, and cut every tensor into chunks (a tie's chunks are shared)."""
     flat, mapping = flatten_state_dict(tree)
