@@ -178,6 +178,8 @@ def _read_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
             info = zf.getinfo(f"{prefix}data/{key}")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise Unsupported("compressed tensor data")
+            if info.compress_size != info.file_size:  # stored: one size twice; torch's reader refuses a mismatch
+                raise Unsupported(f"{info.filename}: sizes disagree in the central directory")
             start, _ = data_start(raw, info)
             seen[key] = _Storage(dtype, base + start, info.file_size)
         if seen[key].dtype != dtype:
