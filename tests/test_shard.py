@@ -43,3 +43,30 @@ def test_shard_refuses_mismatched_names_and_shapes(fixtures, tmp_path):
     msg = str(e.value)
     assert "heads.0.prototypes1.weight" in msg and "trunk.gate.scale [4]" in msg and "surprise.weight" in msg
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", [".pt", ".safetensors"])
+def test_shard_imports_no_torch_and_equals_the_torch_reader(fixtures, fmt, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from test_dcp import _assert_tree_equal
+
+    src = src_of(fixtures[3], "fairseq")
+    full = str(tmp_path / f"full{fmt}")
+    consolidate(src, full, optimizer=fmt == ".pt", progress=False)
+    opt = ["--optimizer", str(tmp_path / "full.optim.pt")] if fmt == ".pt" else []
+    code = ("import sys; from ckptshard.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    args = ["shard", full, "--like", src, "-n", "2", "-q", *opt]
+    res = subprocess.run([sys.executable, "-c", code, *args, "-o", str(tmp_path / "free")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    shard(full, src, str(tmp_path / "torch"), 2, optimizer=opt[1] if opt else None, progress=False)
+    for r in range(2):
+        name = f"checkpoint_last-shard{r}.pt"
+        _assert_tree_equal(torch.load(tmp_path / "free" / name, weights_only=True),
+                           torch.load(tmp_path / "torch" / name, weights_only=True), name)

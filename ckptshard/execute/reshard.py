@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..dtypes import StoredDType
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.fill import Copier
 from ..io.hashing import Hashes
 from ..io.full_state import full_state_refs
 from ..io.manifest import MANIFEST, build_manifest, write_json
-from ..io.safe_load import load_lazy
+from ..io.safe_load import TensorRef, load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..io.torch_save import save_plain
+from ..io.tree import leaves
 from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
@@ -128,6 +130,25 @@ def reshard(
                             source_info(ckpt), jobs)
 
 
+def _all_stored(*trees: Any) -> bool:
+    """Every tensor of ``trees`` read without torch (a StoredDType)."""
+    return all(isinstance(v.dtype, StoredDType) for t in trees for _, v in leaves(t) if isinstance(v, TensorRef))
+
+
+def _shard_inputs(full: str, like: str, optimizer: Optional[str], trust_pickles: bool, torch_free: bool
+                  ) -> Tuple[ShardedCheckpoint, Mapping[str, TensorRef], Any]:
+    """The template, the full state and the full optimizer state, all read without torch or all with it."""
+    template = open_checkpoint(like, trust_pickles, torch_free=torch_free)
+    if optimizer is not None and template.container.optimizer is None:
+        raise CheckpointError(f"{like}: its container has no place for optimizer state")
+    free = torch_free and _all_stored(template.objs)
+    refs = full_state_refs(full, trust_pickles, free)
+    full_optim = load_lazy(optimizer, trust_pickles, free) if optimizer is not None else None
+    if free and not _all_stored(refs, full_optim):  # one kind of dtype per run: everything through torch
+        return _shard_inputs(full, like, optimizer, trust_pickles, torch_free=False)
+    return template, refs, full_optim
+
+
 def shard(
     full: str,
     like: str,
@@ -141,16 +162,9 @@ def shard(
 ) -> ReshardResult:
     """Shard the full state dict ``full`` for ``world_size`` ranks, wrapped as the checkpoint ``like`` is."""
     _check_world_size(world_size)
-    template = open_checkpoint(like, trust_pickles)
-    refs = full_state_refs(full, trust_pickles)
+    template, refs, full_optim = _shard_inputs(full, like, optimizer, trust_pickles, torch_free=True)
     check_full_against_plan(template, refs)
-    inputs = (full, *template.files.paths)
-    full_optim = None
-    if optimizer is not None:
-        if template.container.optimizer is None:
-            raise CheckpointError(f"{like}: its container has no place for optimizer state")
-        full_optim = load_lazy(optimizer, trust_pickles)
-        inputs = inputs + (optimizer,)
+    inputs = (full, *template.files.paths) + ((optimizer,) if optimizer is not None else ())
     run_checked(lambda: check_output(dst, overwrite, inputs))
     trees = sharded_files(template, refs, world_size, full_optim)
     source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}

@@ -6,7 +6,7 @@ import os
 import struct
 from typing import Any, Dict, Mapping
 
-from ..dtypes import SAFETENSORS_CODE
+from ..dtypes import SAFETENSORS_CODE, StoredDType, to_torch
 from ..errors import CheckpointError
 from ..layout.boxes import strides
 from .safe_load import TensorRef, load_lazy
@@ -14,8 +14,11 @@ from .safe_load import TensorRef, load_lazy
 _DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
 
 
-def safetensors_refs(path: str) -> Dict[str, TensorRef]:
-    """Every tensor of a safetensors file as a TensorRef; reads only the header."""
+def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef]:
+    """Every tensor of a safetensors file as a TensorRef; reads only the header.
+
+    ``torch_free``: dtypes are StoredDTypes (no torch import), else torch's.
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -32,12 +35,10 @@ def safetensors_refs(path: str) -> Dict[str, TensorRef]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        import torch  # full state dicts feed torch writers (shard); their dtypes are torch's
-
         dtype_name = _DTYPE_OF_CODE.get(info.get("dtype"))
-        if dtype_name is None or not hasattr(torch, dtype_name):
+        if dtype_name is None:
             raise CheckpointError(f"{path}: {name}: unsupported dtype {info.get('dtype')}")
-        dtype = getattr(torch, dtype_name)
+        dtype = StoredDType(dtype_name) if torch_free else to_torch(StoredDType(dtype_name))
         begin, end = info["data_offsets"]
         shape = tuple(int(s) for s in info["shape"])
         ref = TensorRef(path, 8 + n + begin, dtype, shape, strides(shape))
@@ -47,24 +48,28 @@ def safetensors_refs(path: str) -> Dict[str, TensorRef]:
     return out
 
 
-def index_refs(folder: str) -> Dict[str, TensorRef]:
+def index_refs(folder: str, torch_free: bool = False) -> Dict[str, TensorRef]:
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:
         index = json.load(f)
     out: Dict[str, TensorRef] = {}
     for fname in sorted(set(index["weight_map"].values())):
-        out.update(safetensors_refs(os.path.join(folder, fname)))
+        out.update(safetensors_refs(os.path.join(folder, fname), torch_free))
     return out
 
 
-def full_state_refs(path: str, trust_pickles: bool = False) -> Mapping[str, TensorRef]:
-    """A flat ``{name: tensor}`` state dict from a .safetensors file, an index folder or a torch.save file."""
+def full_state_refs(path: str, trust_pickles: bool = False, torch_free: bool = False) -> Mapping[str, TensorRef]:
+    """A flat ``{name: tensor}`` state dict from a .safetensors file, an index folder or a torch.save file.
+
+    ``torch_free``: read without torch where possible (StoredDTypes); a
+    torch.save file the torch-free reader refuses still goes through torch.
+    """
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
             raise CheckpointError(f"{path}: a folder without model.safetensors.index.json")
-        return index_refs(path)
+        return index_refs(path, torch_free)
     if path.endswith(".safetensors"):
-        return safetensors_refs(path)
-    obj: Any = load_lazy(path, trust_pickles)
+        return safetensors_refs(path, torch_free)
+    obj: Any = load_lazy(path, trust_pickles, torch_free)
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, TensorRef) for v in obj.values()):

@@ -144,14 +144,22 @@ def _to_refs(path: str, obj: Any, at: int = 0) -> Any:
     return obj
 
 
-def load_lazy(path: str, trust_pickles: bool = False) -> Any:
+def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) -> Any:
     """Unpickle ``path``; every tensor becomes a :class:`TensorRef`.
 
     With ``trust_pickles`` the file may run arbitrary code on load: only for
-    files you made yourself.
+    files you made yourself. ``torch_free``: try the torch-free reader first
+    (dtypes are then StoredDTypes; ``CKPTSHARD_TORCH_READER=1`` turns it off).
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
+    if torch_free and not trust_pickles and not os.environ.get("CKPTSHARD_TORCH_READER"):
+        from .pickle_reader import Unsupported, read_torch_file
+
+        try:
+            return read_torch_file(path)
+        except Unsupported:
+            pass
     if not zipfile.is_zipfile(path):
         from .pickle_reader import Unsupported, read_torch_legacy
 
