@@ -22,7 +22,7 @@ from ..layout.boxes import box_runs, numel
 from ..plan.dcp import unflatten_state_dict
 from .dcp_write import METADATA, is_dcp  # noqa: F401 (is_dcp: part of this module's reading API)
 from .fill import Fill, Source, as_fill
-from .pickle_reader import Unsupported, read_torch_zip
+from .pickle_reader import Unsupported, read_torch_zip, torch_free_allowed
 from .safe_load import TensorRef, _to_refs, safe_torch_load
 from .window import FileWindow
 
@@ -67,6 +67,13 @@ _STAND_IN_FUNCTIONS: Dict[Tuple[str, str], Callable[..., Any]] = {
 }
 
 
+# Plain Python classes .metadata may hold (planner data, paths); both unpicklers admit them.
+_SAFE_BUILTINS = {
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
 class _StandInUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _RECORDS.get((module, name)) or _STAND_IN_FUNCTIONS.get((module, name))
@@ -77,12 +84,6 @@ class _StandInUnpickler(pickle.Unpickler):
         if (module, name) in _SAFE_BUILTINS:
             return super().find_class(module, name)
         raise Unsupported(f"global {module}.{name}")
-
-
-_SAFE_BUILTINS = {
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-}
 
 
 def _stand_in_metadata(folder: str) -> Any:
@@ -99,13 +100,9 @@ def _stand_in_metadata(folder: str) -> Any:
     return meta
 
 
-def _torch_free_allowed() -> bool:
-    return not os.environ.get("CKPTSHARD_TORCH_READER")
-
-
 def dcp_metadata(folder: str, trust_pickles: bool = False) -> Any:
     """``.metadata`` for reading: stand-ins where possible (no torch), else :func:`read_metadata`'s."""
-    if _torch_free_allowed():
+    if torch_free_allowed():
         try:
             return _stand_in_metadata(folder)
         except Unsupported:
@@ -123,14 +120,7 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.planner", "_Checkpointable"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
+} | _SAFE_BUILTINS
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -256,7 +246,7 @@ def open_dcp(folder: str, trust_pickles: bool = False) -> DcpCheckpoint:
     Without torch where the stand-ins and the torch-free reader handle every
     part; otherwise the whole folder through torch, as one kind of dtype.
     """
-    if _torch_free_allowed():
+    if torch_free_allowed():
         try:
             return _open(folder, _stand_in_metadata(folder), _frame_torch_free)
         except Unsupported:

@@ -39,6 +39,11 @@ class Unsupported(Exception):
     """The file uses something this reader does not handle: use torch.load."""
 
 
+def torch_free_allowed() -> bool:
+    """False where ``CKPTSHARD_TORCH_READER=1`` sends every read through torch."""
+    return not os.environ.get("CKPTSHARD_TORCH_READER")
+
+
 class _StorageType:
     def __init__(self, dtype: str) -> None:
         self.dtype = StoredDType(dtype)

@@ -153,9 +153,9 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
-    if torch_free and not trust_pickles and not os.environ.get("CKPTSHARD_TORCH_READER"):
-        from .pickle_reader import Unsupported, read_torch_file
+    from .pickle_reader import Unsupported, read_torch_file, torch_free_allowed
 
+    if torch_free and not trust_pickles and torch_free_allowed():
         try:
             return read_torch_file(path)
         except Unsupported:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -15,7 +14,7 @@ from ..errors import CheckpointError
 from ..layout.model import Part, ShardedLayout, layout_from_metadata
 from .containers import Container, PartSpec, detect
 from .discover import ShardFiles, find_shards
-from .pickle_reader import Unsupported, read_torch_file
+from .pickle_reader import Unsupported, read_torch_file, torch_free_allowed
 from .safe_load import TensorRef, load_lazy
 from .tree import get_path, leaves
 
@@ -64,7 +63,7 @@ def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> 
     one checkpoint's dtypes are all of one kind. ``CKPTSHARD_TORCH_READER=1``
     turns the torch-free reader off.
     """
-    if torch_free and not trust_pickles and not os.environ.get("CKPTSHARD_TORCH_READER"):
+    if torch_free and not trust_pickles and torch_free_allowed():
         try:
             return [read_torch_file(p) for p in paths]
         except Unsupported:
