@@ -153,7 +153,7 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such file")
-    from .pickle_reader import Unsupported, read_torch_file, torch_free_allowed
+    from .pickle_reader import Unsupported, read_torch_file, read_torch_legacy, torch_free_allowed  # imports us
 
     if torch_free and not trust_pickles and torch_free_allowed():
         try:
@@ -161,8 +161,6 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
         except Unsupported:
             pass
     if not zipfile.is_zipfile(path):
-        from .pickle_reader import Unsupported, read_torch_legacy
-
         try:  # the legacy format: torch can only load it whole, the torch-free reader lazily
             return read_torch_legacy(path)
         except Unsupported as e:
