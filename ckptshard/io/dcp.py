@@ -194,26 +194,30 @@ def _index_key(idx: Any) -> Tuple[str, Optional[Tuple[int, ...]]]:
     return str(idx.fqn), None if offset is None else tuple(int(x) for x in offset)
 
 
-def _chunk(folder: str, info: Any, read: ReadFrame, where: str) -> Any:
+def _chunk(folder: str, info: Any, read: ReadFrame, where: str, sizes: Dict[str, int]) -> Any:
+    """One chunk's frame; ``sizes`` caches each data file's size (one stat per file, not per chunk)."""
     if getattr(info, "transform_descriptors", None):
         raise CheckpointError(f"{where}: stored with stream transforms {list(info.transform_descriptors)}: not supported")
     path = os.path.join(folder, info.relative_path)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{where}: data file {info.relative_path} is missing")
-    if info.offset + info.length > os.path.getsize(path):
+    if path not in sizes:
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{where}: data file {info.relative_path} is missing")
+        sizes[path] = os.path.getsize(path)
+    if info.offset + info.length > sizes[path]:
         raise CheckpointError(f"{where}: {info.relative_path} ends before byte {info.offset + info.length} (truncated?)")
     return read(path, int(info.offset), int(info.length), f"{where} in {info.relative_path}")
 
 
 def _open(folder: str, meta: Any, read: ReadFrame) -> DcpCheckpoint:
     storage = {_index_key(k): v for k, v in meta.storage_data.items()}
+    file_sizes: Dict[str, int] = {}
     flat: Dict[str, Any] = {}
     for name, smd in meta.state_dict_metadata.items():
         if type(smd).__name__ == "BytesStorageMetadata":
             info = storage.get((name, None))
             if info is None:
                 raise CheckpointError(f"{folder}: {name}: no storage entry")
-            value = _chunk(folder, info, read, name)
+            value = _chunk(folder, info, read, name, file_sizes)
             flat[name] = as_fill(value) if isinstance(value, TensorRef) else value
             continue
         shape, dtype = tuple(int(x) for x in smd.size), smd.properties.dtype
@@ -224,7 +228,7 @@ def _open(folder: str, meta: Any, read: ReadFrame) -> DcpCheckpoint:
             info = storage.get((name, offsets))
             if info is None:
                 raise CheckpointError(f"{folder}: {name}: chunk at {list(offsets)} has no storage entry")
-            ref = _chunk(folder, info, read, name)
+            ref = _chunk(folder, info, read, name, file_sizes)
             if not isinstance(ref, TensorRef) or tuple(ref.shape) != sizes or dtype_name(ref.dtype) != dtype_name(dtype):
                 raise CheckpointError(f"{folder}: {name}: chunk at {list(offsets)} does not hold a "
                                       f"{dtype} tensor of {list(sizes)}")
