@@ -138,6 +138,7 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     shutil.rmtree(three, ignore_errors=True)
     run(ck + ["reshard", src, "-n", "3", "-o", three, "-q"])
     cases.append((f"ckptshard reshard 3->{shards}", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q"]))
+    cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
     run(["cp", "-r", src, out])  # warm the page cache
     _clean(out)
     samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
