@@ -198,6 +198,47 @@ def test_legacy_format_reads_lazily_and_converts_like_the_zip_format(fixtures, t
             assert p.read_bytes() == (tmp_path / "re" / p.name).read_bytes(), p.name
 
 
+def _gpu_saved_copy(src, dst):
+    """The same checkpoint as a GPU run saves it: every storage tagged ``cuda:<rank>``."""
+    import torch.serialization as ser
+
+    dst.mkdir()
+    for rank, p in enumerate(sorted(src.iterdir())):
+        obj = torch.load(p, weights_only=False)
+        tagger = (0, lambda storage, r=rank: f"cuda:{r}", lambda storage, location: None)
+        ser._package_registry.append(tagger)
+        ser._package_registry.sort(key=lambda e: e[0])
+        try:
+            torch.save(obj, dst / p.name)
+        finally:
+            ser._package_registry.remove(tagger)
+    return dst
+
+
+def test_gpu_saved_shards_convert_on_a_cpu_machine(fixtures, tmp_path):
+    """Real checkpoints come from GPU runs; plain torch.load refuses them here without map_location."""
+    from ckptshard.execute.reshard import reshard
+
+    src = fixtures[3] / "fairseq"
+    gpu = _gpu_saved_copy(src, tmp_path / "gpu")
+    first = sorted(gpu.iterdir())[0]
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(first, weights_only=True)
+    assert _consolidate_cli(str(gpu), str(tmp_path / "fast.safetensors")) == "NO-TORCH"
+    assert _consolidate_cli(str(gpu), str(tmp_path / "torch.safetensors"), {"CKPTSHARD_TORCH_READER": "1"}) == "TORCH"
+    consolidate(str(src), str(tmp_path / "cpu.safetensors"), progress=False)
+    want = (tmp_path / "cpu.safetensors").read_bytes()
+    assert (tmp_path / "fast.safetensors").read_bytes() == want
+    assert (tmp_path / "torch.safetensors").read_bytes() == want
+    # Resharded files are what the CPU-saved checkpoint gives, and load anywhere without map_location.
+    reshard(str(gpu), str(tmp_path / "re-gpu"), 2, progress=False)
+    reshard(str(src), str(tmp_path / "re-cpu"), 2, progress=False)
+    for p in sorted((tmp_path / "re-cpu").iterdir()):
+        if p.name != "ckptshard-manifest.json":
+            assert p.read_bytes() == (tmp_path / "re-gpu" / p.name).read_bytes(), p.name
+            torch.load(tmp_path / "re-gpu" / p.name, weights_only=True)
+
+
 def test_a_damaged_legacy_file_is_one_clear_error(fixtures, tmp_path):
     from ckptshard.errors import CheckpointError
 
