@@ -99,7 +99,7 @@ def test_state_that_fits_no_choice_of_parameters_is_refused(next_step_fixture, t
         obj["last_optimizer_state"]["state"][last]["exp_avg"] = torch.zeros(7777)
         obj["last_optimizer_state"]["state"][last]["exp_avg_sq"] = torch.zeros(7777)
         torch.save(obj, path)
-    with pytest.raises(CheckpointError, match="no in-order choice of them has the sizes of its state"):
+    with pytest.raises(CheckpointError, match="no in-order choice of them per group has the sizes of its state"):
         reshard(str(src), str(tmp_path / "rs"), 3, progress=False)
     assert not (tmp_path / "rs").exists()
 

@@ -23,7 +23,7 @@ from test_reshard import assert_optim_equal, assert_tensors_equal
 
 SOURCE_WS = 3
 TARGETS = (2, 5)
-VARIANTS = ("flat", "unflat")
+VARIANTS = ("flat", "unflat", "groups")
 SHARD = "checkpoint_last-shard{}.pt"
 
 
@@ -76,6 +76,10 @@ def test_fixture_has_what_it_claims(lm):
     assert not any("out.weight" in e["params"] or e["shared_param_info"] for e in unflat["fsdp_metadata"]["param_metadata"])
     osd = shard_file(lm["src_root"] / "flat" / "src", 0)["last_optimizer_state"]
     assert set(osd["state"][0]) >= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    # groups: two param groups, and optimizer entry 0 is not the first flat parameter (sizes differ).
+    grouped = shard_file(lm["src_root"] / "groups" / "src", 0)
+    assert [g["params"] for g in grouped["last_optimizer_state"]["param_groups"]] == [[0, 1], [2, 3, 4]]
+    assert grouped["last_optimizer_state"]["state"][0]["exp_avg"].numel() != grouped["model"]["flat_param_0"].numel()
 
 
 @pytest.mark.parametrize("v", VARIANTS)
@@ -93,6 +97,28 @@ def test_consolidated_optimizer_equals_gather_full_optim_state_dict(lm):
     assert got["state"][0]["exp_avg"].shape == ()  # the 0-dim parameter's moments, in its shape
     assert_optim_equal(got, want, "full optim")
     assert got["param_id_map"] == want["param_id_map"]
+
+
+@pytest.mark.parametrize("v", VARIANTS)
+def test_consolidated_optimizer_equals_the_live_moments(lm, v):
+    # Per parameter, each moment equals the one FSDP gathered as if it were the weights (ref["moments"]);
+    # this needs none of fairscale's optimizer utilities, which support neither unflat nor groups.
+    from ckptshard.io.source import open_checkpoint
+
+    got = torch.load(lm["work"] / v / "full.optim.pt", weights_only=True)
+    want = ref(lm, v)["moments"]
+    ckpt = open_checkpoint(str(lm["src_root"] / v / "src"))
+    names = [part.prefix + inst.logical_name(m.name) for part, inst, fp in ckpt.layout.flat_params() for m in fp.members]
+    assert sorted(got["state"]) == list(range(len(names)))
+    for gid, name in enumerate(names):
+        for k in transformer.MOMENTS:
+            assert torch.equal(got["state"][gid][k].reshape(-1), want[k][name].reshape(-1)), (gid, name, k)
+    # Each param group lists its parameters' global ids; param_id_map takes them to optimizer ids.
+    src_groups = shard_file(lm["src_root"] / v / "src", 0)["last_optimizer_state"]["param_groups"]
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in src_groups]
+    if v == "groups":
+        ids = [sorted({got["param_id_map"][x] for x in g["params"]}) for g in got["param_groups"]]
+        assert ids == [g["params"] for g in src_groups]
 
 
 @pytest.mark.parametrize("v", VARIANTS)

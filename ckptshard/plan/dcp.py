@@ -266,42 +266,78 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     in ``ckpt``'s flat order, so ``sharded_optimizer_from_full`` can cut it
     for any world size. Every parameter the optimizer lists must have its
     state; a flat parameter it neither lists nor holds state for is frozen
-    and gets no optimizer id.
+    and gets no optimizer id. Optimizer ids follow the flat order with one
+    param group, and the order the groups list parameters in with several
+    (as torch numbers them), each group then listing its global ids.
     """
     if not isinstance(optim, Mapping) or "state" not in optim or "param_groups" not in optim:
         raise CheckpointError("optimizer state lacks 'state' or 'param_groups'")
     groups = optim["param_groups"]
-    if len(groups) != 1:
-        raise CheckpointError(f"optimizer has {len(groups)} param groups; fairscale's format supports one")
+    names_of = [[part.prefix + inst.logical_name(m.name) for m in fp.members] for part, inst, fp in ckpt.layout.flat_params()]
+    lid_of = {j: lid for lid, j in enumerate(_optimizer_order(names_of, optim["state"], groups))}
     state: Dict[int, Any] = {}
     id_map: Dict[int, Optional[int]] = {}
+    gids_of: Dict[int, List[int]] = {}
     missing: List[str] = []
-    listed = set(groups[0].get("params", []))
-    gid = lid = 0
-    for part, inst, fp in ckpt.layout.flat_params():
-        names = [part.prefix + inst.logical_name(m.name) for m in fp.members]
-        if not any(n in optim["state"] or n in listed for n in names):
-            # Frozen: not in the optimizer at all. Its members keep their global ids, with no entry.
-            id_map.update({gid + i: None for i in range(len(names))})
-            gid += len(names)
-            continue
+    gid = 0
+    for j, names in enumerate(names_of):
         for name in names:
-            entry = optim["state"].get(name)
-            if entry is None:
-                missing.append(name)
-            else:
-                state[gid] = dict(entry)
+            lid = lid_of.get(j)  # None: frozen, not in the optimizer at all; its members keep their global ids
+            if lid is not None:
+                entry = optim["state"].get(name)
+                if entry is None:
+                    missing.append(name)
+                else:
+                    state[gid] = dict(entry)
+                gids_of.setdefault(lid, []).append(gid)
             id_map[gid] = lid
             gid += 1
-        lid += 1
     if missing:
         raise CheckpointError(
             f"optimizer state missing for {len(missing)} parameters: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
-    group = {k: v for k, v in groups[0].items() if k != "params"}
-    group["params"] = list(range(gid))
-    return {"state": state, "param_groups": [group], "param_id_map": id_map}
+    out_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    if len(groups) == 1:
+        out_groups[0]["params"] = list(range(gid))
+    else:
+        lids = _group_flat_params(names_of, groups)
+        for new, js in zip(out_groups, lids):
+            new["params"] = [g for j in js for g in gids_of[lid_of[j]]]
+    return {"state": state, "param_groups": out_groups, "param_id_map": id_map}
+
+
+def _group_flat_params(names_of: List[List[str]], groups: Sequence[Mapping[str, Any]]) -> List[List[int]]:
+    """Per param group, the flat parameters its names belong to, in listed order (names of no parameter: skipped)."""
+    flat_of = {n: j for j, names in enumerate(names_of) for n in names}
+    out: List[List[int]] = []
+    group_of: Dict[int, int] = {}
+    for g_index, g in enumerate(groups):
+        js: List[int] = []
+        for name in g.get("params", []):
+            j = flat_of.get(name) if isinstance(name, str) else None
+            if j is None or j in js:
+                continue
+            if j in group_of:
+                raise CheckpointError(
+                    f"optimizer param groups {group_of[j]} and {g_index} both list members of one FSDP flat "
+                    f"parameter ({', '.join(names_of[j][:3])}): fairscale holds one optimizer entry for them")
+            group_of[j] = g_index
+            js.append(j)
+        out.append(js)
+    return out
+
+
+def _optimizer_order(names_of: List[List[str]], state: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> List[int]:
+    """The flat parameter of each optimizer id: model order with one group, the groups' listed order with several."""
+    if len(groups) == 1:
+        listed = set(groups[0].get("params", []))
+        return [j for j, names in enumerate(names_of) if any(n in state or n in listed for n in names)]
+    order = [j for js in _group_flat_params(names_of, groups) for j in js]
+    unlisted = [names[0] for j, names in enumerate(names_of) if j not in set(order) and any(n in state for n in names)]
+    if unlisted:
+        raise CheckpointError(f"optimizer state for {', '.join(unlisted[:4])}, which no param group lists")
+    return order
 
 
 def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str,

@@ -12,6 +12,13 @@ says which were frozen. :func:`optimizer_params` recovers the mapping from
 the entries' shard sizes, in order; fairscale's own
 ``gather_full_optim_state_dict`` assumes entry ``k`` is instance ``k`` and
 mislabels the state instead.
+
+Several param groups number their parameters group by group, so ids need
+not follow the model's order (a per-group learning rate listing the head
+first). Each group's ids are matched in order, the groups together to
+distinct flat parameters. fairscale refuses such state in its optimizer
+utilities; its full format (``consolidated_optimizer``) is extended here
+to list each group's global ids.
 """
 from __future__ import annotations
 
@@ -49,15 +56,16 @@ def _entry_numels(osd: Mapping[str, Any], pid: int) -> Set[int]:
     return {v.numel for v in entry.values() if isinstance(v, TensorRef) and len(v.shape) > 0}
 
 
-def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], k: int) -> List[List[int]]:
-    """For each optimizer id, the flat parameters it can be in some in-order choice of ``k`` of them.
+def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], ids: List[int]) -> List[List[int]]:
+    """For each of ``ids`` (one param group's), the flat parameters it can be in some in-order choice of them.
 
-    Id ``i`` may stand for flat parameter ``j`` when its tensors have ``j``'s
-    per-rank size, ids ``< i`` fit in order before ``j`` and ids ``> i`` after.
+    ``ids[i]`` may stand for flat parameter ``j`` when its tensors have
+    ``j``'s per-rank size, ``ids[:i]`` fit in order before ``j`` and
+    ``ids[i+1:]`` after.
     """
     flat = _entries(ckpt)
-    n = len(flat)
-    fits = [[not (_entry_numels(osd, i) - {_per_rank_numel(ckpt, flat[j])}) for j in range(n)] for i in range(k)]
+    n, k = len(flat), len(ids)
+    fits = [[not (_entry_numels(osd, i) - {_per_rank_numel(ckpt, flat[j])}) for j in range(n)] for i in ids]
     # before[i][j]: ids 0..i fit in order with id i at j; after[i][j]: ids i..k-1 fit with id i at j.
     before = [[False] * n for _ in range(k)]
     after = [[False] * n for _ in range(k)]
@@ -72,6 +80,27 @@ def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], k: int) -> List
             after[i][j] = fits[i][j] and seen
             seen = seen or (i < k - 1 and after[i + 1][j])
     return [[j for j in range(n) if before[i][j] and after[i][j]] for i in range(k)]
+
+
+def _distinct(cands: List[List[int]]) -> Optional[List[int]]:
+    """One candidate per id, no flat parameter twice (augmenting paths), or None where none exists."""
+    owner: Dict[int, int] = {}
+
+    def place(i: int, seen: Set[int]) -> bool:
+        for j in cands[i]:
+            if j not in seen:
+                seen.add(j)
+                if j not in owner or place(owner[j], seen):
+                    owner[j] = i
+                    return True
+        return False
+
+    if not all(place(i, set()) for i in range(len(cands))):
+        return None
+    out = [0] * len(cands)
+    for j, i in owner.items():
+        out[i] = j
+    return out
 
 
 def optimizer_params(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]:
@@ -89,35 +118,39 @@ def optimizer_params(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int
     osd = ckpt.optimizer_state(0)
     if not isinstance(osd, Mapping) or "state" not in osd or "param_groups" not in osd:
         raise CheckpointError(f"{where}: not a torch optimizer state dict")
-    ids = [i for g in osd["param_groups"] for i in g.get("params", [])]
+    groups = [list(g.get("params", [])) for g in osd["param_groups"]]
+    ids = [i for g in groups for i in g]
     if sorted(ids) != list(range(len(ids))) or len(ids) > len(flat):
         raise CheckpointError(
             f"{where}: param_groups number {len(ids)} parameters, the model has {len(flat)} flat parameters"
         )
-    if len(ids) == len(flat):
+    if len(ids) == len(flat) and len(groups) == 1:
         return list(range(len(flat)))
     if not isinstance(osd["state"], Mapping) or not all(isinstance(e, Mapping) for e in osd["state"].values()):
         raise CheckpointError(f"{where}: state is not a dict of per-parameter dicts")
     frozen = len(flat) - len(ids)
-    cands = _candidates(ckpt, osd, len(ids))
-    if not all(cands):
+    cands: List[List[int]] = [[] for _ in ids]
+    for g in groups:
+        for i, js in zip(g, _candidates(ckpt, osd, g)):
+            cands[i] = js
+    chosen = _distinct(cands) if all(cands) else None
+    if chosen is None:
         raise CheckpointError(
-            f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters, but no in-order choice "
-            "of them has the sizes of its state: not this model's optimizer"
+            f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters in {len(groups)} param "
+            "group(s), but no in-order choice of them per group has the sizes of its state: not this model's optimizer"
         )
-    out: List[int] = []
+    why = f"{frozen} frozen, not in the optimizer" if frozen else f"{len(groups)} param groups, ids not in model order"
     for i, js in enumerate(cands):
         shapes = {(flat[j][2].numel, flat[j][1].no_broadcast_optim_state) for j in js}
         if len(js) > 1 and (by_name or len(shapes) > 1):
             names = ", ".join(flat[j][0].prefix + flat[j][1].local_key(flat[j][2]) for j in js)
             raise CheckpointError(
-                f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters ({frozen} frozen, "
-                f"not in the optimizer), and optimizer entry {i} fits several of them ({names}): "
+                f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters ({why}), "
+                f"and optimizer entry {i} fits several of them ({names}): "
                 + ("cannot tell which parameter its state belongs to (reshard, which needs only its size, can)"
                    if len(shapes) == 1 else "cannot tell its size; reshard with --no-optimizer to leave it out")
             )
-        out.append(js[0])
-    return out
+    return chosen
 
 
 def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]:
@@ -207,7 +240,9 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     ``get_shard_from_optim_state_dict`` accepts the result. Two of
     fairscale's quirks are kept so the output equals its own: state of an
     unflattened parameter stays 1-D, and ``param_groups[0]["params"]``
-    counts only flattened parameters.
+    counts only flattened parameters. fairscale supports one param group;
+    with several, each group's ``params`` lists the global ids of its
+    parameters (``param_id_map`` takes them back to optimizer ids).
     """
     if ckpt.container.optimizer is None:
         return None
@@ -217,12 +252,15 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     out = copy_tree(osds[0])
     state: Dict[int, Dict[str, Any]] = {}
     param_id_map: Dict[int, Optional[int]] = {}
+    gids_of: Dict[int, List[int]] = {}
     gid = 0
     for j, (_, inst, fp) in enumerate(flat):
         lid = lid_of.get(j)
         entry = None if lid is None else osds[0]["state"].get(lid)
         for m in fp.members:
             param_id_map[gid] = lid if entry is not None else None
+            if lid is not None:
+                gids_of.setdefault(lid, []).append(gid)
             if entry is not None:
                 s: Dict[str, Any] = {}
                 for k, v in entry.items():
@@ -239,9 +277,11 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
             gid += 1
     out["state"] = state
     groups = copy_tree(osds[0]["param_groups"])
-    if len(groups) != 1:
-        raise CheckpointError(f"optimizer has {len(groups)} param groups; fairscale's full format supports one")
-    groups[0]["params"] = list(range(sum(len(fp.members) for _, _, fp in flat if fp.flattened)))
+    if len(groups) == 1:
+        groups[0]["params"] = list(range(sum(len(fp.members) for _, _, fp in flat if fp.flattened)))
+    else:
+        for g in groups:
+            g["params"] = [gid for lid in g["params"] for gid in gids_of[lid]]
     out["param_groups"] = groups
     out["param_id_map"] = param_id_map
     out["uncollected_local_ids"] = [i for i, (_, inst, _) in enumerate(flat) if inst.no_broadcast_optim_state]

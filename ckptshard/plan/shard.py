@@ -174,7 +174,15 @@ def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, 
         state[lid] = s
     out["state"] = state
     groups = copy_tree(full_optim["param_groups"])
-    # Entry k is flat parameter k, or (frozen parameters left out) the optimizer numbered fewer.
-    groups[0]["params"] = list(range(len(flat) if identity else max(by_local) + 1))
+    if len(groups) == 1:
+        # Entry k is flat parameter k, or (frozen parameters left out) the optimizer numbered fewer.
+        groups[0]["params"] = list(range(len(flat) if identity else max(by_local) + 1))
+    else:  # each group lists global ids (ckptshard's extension of the format): back to optimizer ids
+        id_map = {int(g): lid for g, lid in full_optim["param_id_map"].items()}
+        for g in groups:
+            g["params"] = list(dict.fromkeys(int(id_map[int(x)]) for x in g["params"] if id_map.get(int(x)) is not None))
+        listed = sorted(i for g in groups for i in g["params"])
+        if listed != sorted(by_local):
+            raise CheckpointError(f"optimizer param groups list entries {listed}, the state has {sorted(by_local)}")
     out["param_groups"] = groups
     return map_leaves(out, lambda x: whole(x) if isinstance(x, TensorRef) else x)

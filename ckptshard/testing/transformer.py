@@ -9,14 +9,18 @@ moments). Variant ``unflat`` also wraps one layer and the root with
 ``flatten_parameters=False``: many parameters in one unflattened instance,
 the root's own parameters interleaved with its children's flat params in
 ``parameters()`` order, and the tied embeddings stored under both names.
-fairscale cannot gather optimizer state for that one (no ``full_optim``).
+Variant ``groups`` trains with two param groups listed out of
+``parameters()`` order (the later flat parameters first, as a per-group
+learning rate or weight-decay split does), so optimizer ids do not follow
+the model's order. fairscale can gather optimizer state for neither of
+those (no ``full_optim``).
 
 Optimizer oracle that needs no fairscale optimizer utility: each moment is
 loaded *as the weights* (``load_local_state_dict`` of the moment shards at
 the source world size, then ``state_dict()``: the full moment), and FSDP at
 the target world size shards it like weights (``load_state_dict``, then
-``local_state_dict()``). Entry ``i`` is the ``i``-th of
-``root.parameters()``.
+``local_state_dict()``). Entry ``i`` is the ``i``-th parameter the
+optimizer's param groups list (:func:`entry_keys`).
 
 ``build_transformer_fixture(out, variants, world_size)`` writes per variant::
 
@@ -88,6 +92,13 @@ def param_keys(root: Any) -> List[str]:
     return [".".join(p for p in n.split(".") if p not in drop) for n, _ in root.named_parameters()]
 
 
+def entry_keys(root: Any, optim: torch.optim.Optimizer) -> List[str]:
+    """The local state-dict key of each optimizer entry, in id order (group by group, as listed)."""
+    keys = param_keys(root)
+    index = {id(p): i for i, p in enumerate(root.parameters())}
+    return [keys[index[id(p)]] for g in optim.param_groups for p in g["params"]]
+
+
 def _with(local: Dict[str, torch.Tensor], keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """``local`` with the tensor under each of ``keys`` (and under any alias: same memory) replaced."""
     def where(t: torch.Tensor) -> Any:
@@ -101,7 +112,7 @@ def full_moments(root: Any, optim: torch.optim.Optimizer, variant: str) -> Dict[
     """Each moment as a full state dict: its shards loaded as the weights of a fresh model (collective)."""
     from ..fsdp.state import init_param_attributes
 
-    state, keys, local = optim.state_dict()["state"], param_keys(root), root.local_state_dict()
+    state, keys, local = optim.state_dict()["state"], entry_keys(root, optim), root.local_state_dict()
     out = {}
     for k in MOMENTS:
         carrier = wrap(variant, 5)
@@ -111,14 +122,18 @@ def full_moments(root: Any, optim: torch.optim.Optimizer, variant: str) -> Dict[
     return out
 
 
-def make_optimizer(root: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(root.parameters(), lr=1e-2, amsgrad=True)
+def make_optimizer(root: Any, variant: str) -> torch.optim.Optimizer:
+    params = list(root.parameters())
+    if variant == "groups":  # ids 0-1: the last two flat params; ids 2-4: the first three
+        return torch.optim.AdamW([{"params": params[3:], "lr": 2e-2, "weight_decay": 0.0}, {"params": params[:3]}],
+                                 lr=1e-2, amsgrad=True)
+    return torch.optim.AdamW(params, lr=1e-2, amsgrad=True)
 
 
 def _train_worker(rank: int, world_size: int, out: str, variants: List[str]) -> None:
     for variant in variants:
         root = wrap(variant, 0)
-        optim = make_optimizer(root)
+        optim = make_optimizer(root, variant)
         g = torch.Generator().manual_seed(100 + rank)
         for _ in range(STEPS):
             loss = root(torch.randint(0, VOCAB, (2, 5), generator=g)).pow(2).mean()
@@ -127,7 +142,7 @@ def _train_worker(rank: int, world_size: int, out: str, variants: List[str]) -> 
             optim.zero_grad()
         full = root.state_dict()
         moments = full_moments(root, optim, variant)
-        full_optim = root.gather_full_optim_state_dict(optim) if variant != "unflat" else None
+        full_optim = root.gather_full_optim_state_dict(optim) if variant == "flat" else None
         folder = os.path.join(out, variant)
         os.makedirs(os.path.join(folder, "src"), exist_ok=True)
         torch.save({"model": root.local_state_dict(), "fsdp_metadata": root.local_metadata_dict(),
@@ -166,7 +181,7 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
             oracle_optim = root.get_shard_from_optim_state_dict(copy.deepcopy(ref["full_optim"]))
         record: Dict[str, Any] = {"local": root.local_state_dict(), "meta": root.local_metadata_dict(),
                                   "optim": oracle_optim, "moments": {}}
-        keys = param_keys(root)
+        keys = entry_keys(root, make_optimizer(root, job["variant"]))
         for k, full_k in ref["moments"].items():
             carrier = wrap(job["variant"], 4)
             carrier.load_state_dict(full_k)
@@ -174,7 +189,7 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
             record["moments"][k] = {i: local_k[key] for i, key in enumerate(keys)}
 
         root = wrap(job["variant"], 2)
-        optim = make_optimizer(root)
+        optim = make_optimizer(root, job["variant"])
         init_param_attributes(root)
         ours = torch.load(os.path.join(job["resharded"], f"checkpoint_last-shard{rank}.pt"), weights_only=True)
         root.load_local_state_dict(ours["model"], strict=True)
@@ -189,7 +204,7 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
             record[f"loaded_{how}"] = (report.path, root.state_dict())
         if job.get("full_optim"):
             root = wrap(job["variant"], 3)
-            optim = make_optimizer(root)
+            optim = make_optimizer(root, job["variant"])
             report = load_checkpoint(root, job["full"], optim, full_optimizer=job["full_optim"])
             record["loaded_path"] = report.path
             record["loaded_optim"] = optim.state_dict()
