@@ -221,3 +221,24 @@ def test_load_checkpoint_into_the_unwrapped_model(lm, v):
         assert report.path == "full" and not report.skipped
         assert_tensors_equal(dict(sorted(plain.state_dict().items())), want, str(src))
         assert plain.out.weight is plain.embed.weight  # the tie survives the load
+
+
+def test_optimizer_without_per_parameter_state(lm, tmp_path):
+    # SGD without momentum saves param_groups and an empty state; DCP then stores no 'state' at all.
+    src = tmp_path / "src"
+    src.mkdir()
+    for r in range(SOURCE_WS):
+        d = shard_file(lm["src_root"] / "flat" / "src", r)
+        d["last_optimizer_state"]["state"] = {}
+        torch.save(d, src / SHARD.format(r))
+    want_groups = shard_file(src, 0)["last_optimizer_state"]["param_groups"]
+    reshard(str(src), str(tmp_path / "r"), 2, progress=False)
+    consolidate(str(src), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    shard(str(tmp_path / "full.pt"), str(src), str(tmp_path / "s"), 2, optimizer=str(tmp_path / "full.optim.pt"),
+          progress=False)
+    convert(str(src), str(tmp_path / "c.dcp"), "dcp", progress=False)
+    convert(str(tmp_path / "c.dcp"), str(tmp_path / "d"), "fairscale", like=str(src), world_size=2, progress=False)
+    for out in ("r", "s", "d"):
+        for r in range(2):
+            got = shard_file(tmp_path / out, r)["last_optimizer_state"]
+            assert got["state"] == {} and got["param_groups"] == want_groups, (out, r)

@@ -234,7 +234,10 @@ def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_s
                               "pass --no-optimizer to write weights only")
     if optimizer and template.container.optimizer is not None:
         new_name = name_mapper(select, strip_prefix, renames)
-        by_new = {new_name(k): v for k, v in d.tree[OPTIM]["state"].items() if new_name(k) is not None}
+        if not isinstance(d.tree[OPTIM], dict) or "param_groups" not in d.tree[OPTIM]:
+            raise CheckpointError(f"{d.folder}: '{OPTIM}' holds no param_groups: not an optimizer state dict")
+        # DCP stores no empty dict: an optimizer with no per-parameter state (SGD without momentum) has no 'state'.
+        by_new = {new_name(k): v for k, v in d.tree[OPTIM].get("state", {}).items() if new_name(k) is not None}
         groups = [dict(g, params=[new_name(n) if isinstance(n, str) else n for n in g.get("params", [])])
                   for g in d.tree[OPTIM]["param_groups"]]
         full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": groups})

@@ -264,8 +264,10 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     ``optim`` is keyed by parameter name (as :func:`fsdp2_optimizer` writes,
     or ``get_optimizer_state_dict`` gives); the result numbers parameters
     in ``ckpt``'s flat order, so ``sharded_optimizer_from_full`` can cut it
-    for any world size. Every parameter the optimizer lists must have its
-    state; a flat parameter it neither lists nor holds state for is frozen
+    for any world size. The members of one flat parameter have state all
+    or none (none: a stateless optimizer such as SGD without momentum, or
+    a parameter not stepped yet), and all state names a parameter; a flat
+    parameter the optimizer neither lists nor holds state for is frozen
     and gets no optimizer id. Optimizer ids follow the flat order with one
     param group, and the order the groups list parameters in with several
     (as torch numbers them), each group then listing its global ids.
@@ -279,22 +281,26 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     id_map: Dict[int, Optional[int]] = {}
     gids_of: Dict[int, List[int]] = {}
     missing: List[str] = []
+    stray = sorted(set(optim["state"]) - {n for names in names_of for n in names})
+    if stray:
+        raise CheckpointError(f"optimizer state for {', '.join(map(str, stray[:4]))}, which the model has no parameter of")
     gid = 0
     for j, names in enumerate(names_of):
+        stateless = not any(n in optim["state"] for n in names)  # its entry holds no state in torch either
         for name in names:
             lid = lid_of.get(j)  # None: frozen, not in the optimizer at all; its members keep their global ids
             if lid is not None:
                 entry = optim["state"].get(name)
-                if entry is None:
-                    missing.append(name)
-                else:
+                if entry is not None:
                     state[gid] = dict(entry)
+                elif not stateless:
+                    missing.append(name)
                 gids_of.setdefault(lid, []).append(gid)
             id_map[gid] = lid
             gid += 1
     if missing:
         raise CheckpointError(
-            f"optimizer state missing for {len(missing)} parameters: {', '.join(missing[:8])}"
+            f"optimizer state missing for {len(missing)} parameters whose flat parameter has some: {', '.join(missing[:8])}"
             + (" ..." if len(missing) > 8 else "")
         )
     out_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]

@@ -258,7 +258,7 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
         lid = lid_of.get(j)
         entry = None if lid is None else osds[0]["state"].get(lid)
         for m in fp.members:
-            param_id_map[gid] = lid if entry is not None else None
+            param_id_map[gid] = lid  # None: frozen; an entry with no state (SGD) keeps its id, as in fairscale
             if lid is not None:
                 gids_of.setdefault(lid, []).append(gid)
             if entry is not None:

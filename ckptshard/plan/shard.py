@@ -158,6 +158,13 @@ def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, 
         _, inst, fp = flat[j]
         if len(gids) != len(fp.members):
             raise CheckpointError(f"optimizer entry {lid} covers {len(gids)} parameters, the plan {len(fp.members)}")
+        held = [g for g in gids if g in full_optim["state"]]
+        if not held:  # a stateless entry (SGD without momentum): torch keeps no state for it
+            continue
+        if len(held) != len(gids):
+            missing = [inst.logical_name(fp.members[gids.index(g)].name) for g in gids if g not in held]
+            raise CheckpointError(f"optimizer entry {lid}: no state for {', '.join(missing[:4])}, "
+                                  "though other parameters of its flat parameter have some")
         entries = [full_optim["state"][g] for g in gids]
         s: Dict[str, Any] = {}
         for k, v in entries[0].items():
