@@ -43,6 +43,13 @@ def test_missing_shard(fixtures, tmp_path):
     expect_error(src, "missing shard(s) checkpoint_last-shard1.pt of 3", tmp_path)
 
 
+def test_missing_last_shard_is_named_as_such(fixtures, tmp_path):
+    # No name is missing (ranks 0-2 of 3 look complete); the shard sizes tell that 4 ranks wrote them.
+    src = copy_fixture(fixtures, tmp_path, ws=4)
+    os.unlink(src / "checkpoint_last-shard3.pt")
+    expect_error(src, "fit 4 ranks: is a shard file missing?", tmp_path)
+
+
 def test_extra_shard(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
     shutil.copy(src / "checkpoint_last-shard2.pt", src / "checkpoint_last-shard3.pt")

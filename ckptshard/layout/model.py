@@ -220,10 +220,22 @@ def layout_from_metadata(
                 if got is None:
                     raise CheckpointError(f"{where}: shard has no tensor {key!r}")
                 if got != want:
-                    raise CheckpointError(f"{where}: {key} holds {got} elements, expected {want}")
+                    raise CheckpointError(f"{where}: {key} holds {got} elements, expected {want}"
+                                          + _world_size_hint(fp.numel, got, world_size))
         if list(md.get("buffer_names", [])) != list(md0.get("buffer_names", [])):
             raise CheckpointError(f"{where}: buffer names differ from rank 0's")
     return part
+
+
+def _world_size_hint(numel: int, per_rank: int, found: int) -> str:
+    """Where a shard's size fits another world size than the files found: most likely a file is missing."""
+    if per_rank <= 0:
+        return ""
+    fits = -(-numel // per_rank)  # the fewest ranks that give shards of this size
+    if -(-numel // fits) != per_rank or fits == found:
+        return ""
+    return (f" on {found} ranks; shards of {per_rank} fit {fits} ranks: "
+            + ("is a shard file missing?" if fits > found else "is there a shard file too many (another run's)?"))
 
 
 def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
