@@ -146,6 +146,8 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
                                 dtype=dtype, jobs=jobs))
     if os.environ.get("RANK", "0") == "0":
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
+        for note in res.notes:
+            click.echo(f"note: {note}", err=True)
 
 
 @main.command()

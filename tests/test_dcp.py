@@ -236,8 +236,8 @@ def test_verify_checks_a_dcp_output(fixtures, tmp_path):
     assert res.returncode == 2 and "__1_0.distcp" in res.stderr
 
 
-def test_per_rank_experts_are_refused_not_dropped(fixtures, tmp_path):
-    """An instance each rank holds whole (no_broadcast_optim_state) has no single DCP value."""
+def _per_rank_expert_copy(fixtures, tmp_path):
+    """World size 2 with trunk.gate held whole by each rank, each its own values (an MoE expert)."""
     src = tmp_path / "moe"
     src.mkdir()
     for r in range(2):
@@ -247,6 +247,26 @@ def test_per_rank_experts_are_refused_not_dropped(fixtures, tmp_path):
         entry["params"]["flat_param_0"]["padding"] = 0
         obj["model"]["trunk.gate.flat_param_0"] = torch.linspace(0, 1, 3) + r  # each rank its own expert
         torch.save(obj, src / f"checkpoint_last-shard{r}.pt")
+    return src
+
+
+def test_per_rank_experts_consolidate_from_rank_0_with_a_note(fixtures, tmp_path):
+    """As fairscale's consolidate_shard_weights: rank 0's copy, and the user is told the others are not in it."""
+    from ckptshard.execute.consolidate import consolidate
+
+    src = _per_rank_expert_copy(fixtures, tmp_path)
+    res = consolidate(str(src), str(tmp_path / "full.pt"), progress=False)
+    got = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert torch.equal(got["trunk.gate.scale"], torch.linspace(0, 1, 3))
+    (note,) = res.notes
+    assert "trunk.gate" in note and "rank 0's copy" in note
+    clean = consolidate(src_of(fixtures[2], "fairseq"), str(tmp_path / "clean.pt"), progress=False)
+    assert clean.notes == []
+
+
+def test_per_rank_experts_are_refused_not_dropped(fixtures, tmp_path):
+    """An instance each rank holds whole (no_broadcast_optim_state) has no single DCP value."""
+    src = _per_rank_expert_copy(fixtures, tmp_path)
     with pytest.raises(CheckpointError, match="trunk.gate: each rank holds its own"):
         convert(str(src), str(tmp_path / "out.dcp"), "dcp", progress=False)
     assert not (tmp_path / "out.dcp").exists()

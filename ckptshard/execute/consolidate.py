@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
@@ -36,6 +36,18 @@ class ConsolidateResult:
     outputs: List[str]
     tensors: int
     nbytes: int
+    notes: List[str] = field(default_factory=list)  # what the user should know about the output
+
+
+def per_rank_note(ckpt: ShardedCheckpoint) -> List[str]:
+    """FSDP instances each rank holds whole (own process group of 1, e.g. MoE experts): only rank 0's is written."""
+    paths = [p.prefix + (i.path or "<root>") for p in ckpt.layout.parts for i in p.instances if i.no_broadcast_optim_state]
+    if not paths or ckpt.world_size == 1:
+        return []
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    others = "rank 1's copy is" if ckpt.world_size == 2 else f"ranks 1-{ckpt.world_size - 1}'s copies are"
+    return [f"{len(paths)} FSDP instance(s) held whole by each rank (no_broadcast_optim_state, e.g. MoE experts): "
+            f"{shown}; written from rank 0's copy, as fairscale's consolidate_shard_weights does ({others} not in the output)"]
 
 
 def output_format(out: str, max_shard_size: Optional[int]) -> str:
@@ -230,4 +242,4 @@ def consolidate(
         for o in outputs:
             if os.path.isfile(o):
                 write_file_manifest(o, source, "consolidate", hashes)
-    return ConsolidateResult(outputs, len(weights), total)
+    return ConsolidateResult(outputs, len(weights), total, per_rank_note(ckpt))
