@@ -50,6 +50,18 @@ def test_missing_last_shard_is_named_as_such(fixtures, tmp_path):
     expect_error(src, "fit 4 ranks: is a shard file missing?", tmp_path)
 
 
+def test_metadata_saved_apart_from_the_weights_is_named_as_such(fixtures, tmp_path):
+    src = tmp_path / "split"
+    src.mkdir()
+    for r in range(3):
+        obj = torch.load(fixtures[3] / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True)
+        torch.save(obj["model"], src / f"weights_shard{r}.pt")
+        torch.save(obj["fsdp_metadata"], src / f"meta_shard{r}.pt")
+    expect_error(src, "FSDP metadata is saved apart from the weights (meta_shard*.pt among", tmp_path)
+    expect_error(src / "weights_shard0.pt", "a local state dict (flat_param_* tensors) without its FSDP metadata",
+                 tmp_path)
+
+
 def test_extra_shard(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
     shutil.copy(src / "checkpoint_last-shard2.pt", src / "checkpoint_last-shard3.pt")

@@ -85,6 +85,11 @@ def detect(obj: Any, where: str) -> Container:
             f"{where}: no FSDP shard metadata (fsdp_metadata or shard_metadata): not a sharded "
             f"checkpoint, or saved without local_metadata_dict(); keys found: {keys}"
         )
+    if any(k.rsplit(".", 1)[-1].startswith("flat_param_") for k in keys):
+        raise CheckpointError(
+            f"{where}: a local state dict (flat_param_* tensors) without its FSDP metadata: save "
+            "local_metadata_dict() in the same file, e.g. {'model': local_state_dict(), 'fsdp_metadata': ...}"
+        )
     raise CheckpointError(f"{where}: not a fairscale sharded checkpoint; keys found: {keys}")
 
 

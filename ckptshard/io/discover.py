@@ -77,6 +77,17 @@ def _read_shard_list(path: str) -> Optional[List[str]]:
     return None
 
 
+def _metadata_only(path: str) -> bool:
+    """A small file holding only ``local_metadata_dict()`` (no weights): the metadata saved on its own."""
+    if os.path.getsize(path) > 16 * 1024 * 1024:
+        return False
+    try:
+        obj = read_torch_file(path)
+    except (Unsupported, OSError):
+        return False
+    return isinstance(obj, dict) and "param_metadata" in obj
+
+
 def find_shards(src: str) -> ShardFiles:
     """Resolve ``src`` (a folder, one shard file, or a VISSL shard_list file)."""
     if not os.path.exists(src):
@@ -87,6 +98,13 @@ def find_shards(src: str) -> ShardFiles:
             raise CheckpointError(f"{src}: no shard files (names like checkpoint-shard0.pt or model_rank0.pt) in this folder")
         if len(groups) > 1:
             names = ", ".join(f"{h}*{t}" for h, t in sorted(groups))
+            meta = [f"{h}*{t}" for (h, t), by_rank in sorted(groups.items())
+                    if _metadata_only(os.path.join(src, by_rank[min(by_rank)][0]))]
+            if meta and len(meta) < len(groups):
+                raise CheckpointError(
+                    f"{src}: FSDP metadata is saved apart from the weights ({', '.join(meta)} among {names}); "
+                    "ckptshard reads one file per rank holding both: re-save each rank's pair as "
+                    "{'model': weights, 'fsdp_metadata': metadata}")
             raise CheckpointError(f"{src}: holds several checkpoints ({names}): name one shard file instead")
         (head, tail), by_rank = next(iter(groups.items()))
         return ShardFiles(_ranks_to_paths(src, head, tail, by_rank), head, tail)
