@@ -59,3 +59,26 @@ def test_elementwise_state_tells_moments_from_per_parameter_scalars():
     assert elementwise_state("exp_avg", [t(), t()])  # only 0-dim parameters: the name decides
     assert not elementwise_state("step", [3.0, 3.0])
     assert not elementwise_state("exp_avg", [])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), max_size=6, unique=True), min_size=1, max_size=5))
+def test_distinct_choice_of_flat_params_exists_exactly_when_brute_force_finds_one(cands):
+    # Optimizer ids of several param groups -> distinct flat parameters (plan.optimizer._distinct).
+    import itertools
+
+    from ckptshard.plan.optimizer import _distinct
+
+    got = _distinct(cands)
+    exists = any(len(set(c)) == len(c) for c in itertools.product(*cands))
+    assert (got is not None) == exists
+    if got is not None:
+        assert len(set(got)) == len(cands) and all(j in c for j, c in zip(got, cands))
+
+
+def test_distinct_choice_survives_augmenting_paths_longer_than_the_recursion_limit():
+    from ckptshard.plan.optimizer import _distinct
+
+    n = 3000  # id t fits flat params t and t+1; the last id fits only 0: every earlier id must move up one
+    got = _distinct([[t, t + 1] for t in range(n - 1)] + [[0]])
+    assert got is not None and len(set(got)) == n

@@ -84,19 +84,29 @@ def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], ids: List[int])
 
 def _distinct(cands: List[List[int]]) -> Optional[List[int]]:
     """One candidate per id, no flat parameter twice (augmenting paths), or None where none exists."""
-    owner: Dict[int, int] = {}
-
-    def place(i: int, seen: Set[int]) -> bool:
-        for j in cands[i]:
-            if j not in seen:
-                seen.add(j)
-                if j not in owner or place(owner[j], seen):
-                    owner[j] = i
-                    return True
-        return False
-
-    if not all(place(i, set()) for i in range(len(cands))):
-        return None
+    owner: Dict[int, int] = {}  # flat parameter -> id
+    for start in range(len(cands)):
+        # Depth-first search for an augmenting path, iterative: paths can be as long as there are ids.
+        seen: Set[int] = set()
+        stack = [(start, iter(cands[start]))]
+        path: List[Tuple[int, int]] = []  # (id, flat parameter) edges taken
+        while stack:
+            i, it = stack[-1]
+            j = next((j for j in it if j not in seen), None)
+            if j is None:
+                stack.pop()
+                if path:
+                    path.pop()
+                continue
+            seen.add(j)
+            path.append((i, j))
+            if j not in owner:
+                for pi, pj in path:
+                    owner[pj] = pi
+                break
+            stack.append((owner[j], iter(cands[owner[j]])))
+        else:
+            return None
     out = [0] * len(cands)
     for j, i in owner.items():
         out[i] = j
