@@ -65,7 +65,11 @@ def _candidates(ckpt: ShardedCheckpoint, osd: Mapping[str, Any], ids: List[int])
     """
     flat = _entries(ckpt)
     n, k = len(flat), len(ids)
-    fits = [[not (_entry_numels(osd, i) - {_per_rank_numel(ckpt, flat[j])}) for j in range(n)] for i in ids]
+    sizes = [_per_rank_numel(ckpt, e) for e in flat]
+    fits = []
+    for i in ids:
+        want = _entry_numels(osd, i)
+        fits.append([not (want - {s}) for s in sizes])
     # before[i][j]: ids 0..i fit in order with id i at j; after[i][j]: ids i..k-1 fit with id i at j.
     before = [[False] * n for _ in range(k)]
     after = [[False] * n for _ in range(k)]
