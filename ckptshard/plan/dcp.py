@@ -276,19 +276,29 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
         raise CheckpointError("optimizer state lacks 'state' or 'param_groups'")
     groups = optim["param_groups"]
     names_of = [[part.prefix + inst.logical_name(m.name) for m in fp.members] for part, inst, fp in ckpt.layout.flat_params()]
-    lid_of = {j: lid for lid, j in enumerate(_optimizer_order(names_of, optim["state"], groups))}
+    stray = sorted(set(optim["state"]) - {n for names in names_of for n in names})
+    if stray:
+        raise CheckpointError(f"optimizer state for {', '.join(map(str, stray[:4]))}, which the model has no parameter of")
+    # The flat parameter of each optimizer id: model order with one group, the groups' listed order with several.
+    per_group = _group_flat_params(names_of, groups) if len(groups) > 1 else []
+    if per_group:
+        order = [j for js in per_group for j in js]
+        unlisted = [names[0] for j, names in enumerate(names_of) if j not in set(order) and any(n in optim["state"] for n in names)]
+        if unlisted:
+            raise CheckpointError(f"optimizer state for {', '.join(unlisted[:4])}, which no param group lists")
+    else:
+        listed = set(groups[0].get("params", [])) if groups else set()
+        order = [j for j, names in enumerate(names_of) if any(n in optim["state"] or n in listed for n in names)]
+    lid_of = {j: lid for lid, j in enumerate(order)}
     state: Dict[int, Any] = {}
     id_map: Dict[int, Optional[int]] = {}
     gids_of: Dict[int, List[int]] = {}
     missing: List[str] = []
-    stray = sorted(set(optim["state"]) - {n for names in names_of for n in names})
-    if stray:
-        raise CheckpointError(f"optimizer state for {', '.join(map(str, stray[:4]))}, which the model has no parameter of")
     gid = 0
     for j, names in enumerate(names_of):
+        lid = lid_of.get(j)  # None: frozen, not in the optimizer at all; its members keep their global ids
         stateless = not any(n in optim["state"] for n in names)  # its entry holds no state in torch either
         for name in names:
-            lid = lid_of.get(j)  # None: frozen, not in the optimizer at all; its members keep their global ids
             if lid is not None:
                 entry = optim["state"].get(name)
                 if entry is not None:
@@ -304,12 +314,11 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
             + (" ..." if len(missing) > 8 else "")
         )
     out_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    if len(groups) == 1:
-        out_groups[0]["params"] = list(range(gid))
-    else:
-        lids = _group_flat_params(names_of, groups)
-        for new, js in zip(out_groups, lids):
+    if per_group:
+        for new, js in zip(out_groups, per_group):
             new["params"] = [g for j in js for g in gids_of[lid_of[j]]]
+    elif out_groups:
+        out_groups[0]["params"] = list(range(gid))
     return {"state": state, "param_groups": out_groups, "param_id_map": id_map}
 
 
@@ -332,18 +341,6 @@ def _group_flat_params(names_of: List[List[str]], groups: Sequence[Mapping[str, 
             js.append(j)
         out.append(js)
     return out
-
-
-def _optimizer_order(names_of: List[List[str]], state: Mapping[str, Any], groups: Sequence[Mapping[str, Any]]) -> List[int]:
-    """The flat parameter of each optimizer id: model order with one group, the groups' listed order with several."""
-    if len(groups) == 1:
-        listed = set(groups[0].get("params", []))
-        return [j for j, names in enumerate(names_of) if any(n in state or n in listed for n in names)]
-    order = [j for js in _group_flat_params(names_of, groups) for j in js]
-    unlisted = [names[0] for j, names in enumerate(names_of) if j not in set(order) and any(n in state for n in names)]
-    if unlisted:
-        raise CheckpointError(f"optimizer state for {', '.join(unlisted[:4])}, which no param group lists")
-    return order
 
 
 def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str,
