@@ -9,11 +9,8 @@ several hosts the output must be on a filesystem they share.
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..dtypes import Size
@@ -28,10 +25,6 @@ T = TypeVar("T")
 def _size_as_itself(size: Size) -> Any:
     return Size, (tuple(size),)
 
-
-# Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
-# itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
-ForkingPickler.register(Size, _size_as_itself)
 
 Job = Tuple[Any, str]  # (tree, output path)
 Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
@@ -64,6 +57,14 @@ def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
                      done: Optional[Callable[[Any], None]] = None, *args: Any) -> List[T]:
     """``fn(job, *args)`` for every job, ``n`` processes at a time (spawned: safe beside torch's
     threads); results in job order, ``done(job)`` after each (progress)."""
+    # Imported here, not at start-up: every command imports this module, few start processes.
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing.reduction import ForkingPickler
+
+    # Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
+    # itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
+    ForkingPickler.register(Size, _size_as_itself)
     with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(fn, job, *args) for job in jobs]
         out = []
