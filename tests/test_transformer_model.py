@@ -242,3 +242,19 @@ def test_optimizer_without_per_parameter_state(lm, tmp_path):
         for r in range(2):
             got = shard_file(tmp_path / out, r)["last_optimizer_state"]
             assert got["state"] == {} and got["param_groups"] == want_groups, (out, r)
+
+
+def test_fsdp2_loads_the_dcp_of_several_param_groups(lm, tmp_path):
+    # torch's own FSDP2 builds its optimizer with the groups the DCP lists, loads it with
+    # set_optimizer_state_dict, and gathers every parameter's moments as the live fairscale run had them.
+    convert(str(lm["src_root"] / "groups" / "src"), str(tmp_path / "g.dcp"), "dcp", progress=False)
+    transformer.optimizer_loaded_in_fsdp2(str(tmp_path / "g.dcp"), str(tmp_path / "full.pt"), 2)
+    got = torch.load(tmp_path / "full.pt", weights_only=False)
+    moments = ref(lm, "groups")["moments"]
+    src_groups = shard_file(lm["src_root"] / "groups" / "src", 0)["last_optimizer_state"]["param_groups"]
+    assert [g["lr"] for g in got["param_groups"]] == [g["lr"] for g in src_groups] == [2e-2, 1e-2]
+    assert sorted(n for g in got["param_groups"] for n in g["params"]) == sorted(got["state"])
+    assert len(got["state"]) == len(dict(transformer.TinyLM().named_parameters()))
+    for name, st in got["state"].items():
+        for k in transformer.MOMENTS:
+            assert torch.equal(st[k].reshape(-1), moments[k][name].reshape(-1)), (name, k)

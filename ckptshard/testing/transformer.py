@@ -30,7 +30,8 @@ optimizer's param groups list (:func:`entry_keys`).
 
 ``check_at_world_size(jobs, n)`` then records, for ckptshard's outputs made
 from those, what real FSDP at world size ``n`` makes of them (see
-:func:`_check_worker`).
+:func:`_check_worker`); ``optimizer_loaded_in_fsdp2`` what torch's FSDP2
+gathers from a DCP of them.
 """
 from __future__ import annotations
 
@@ -214,3 +215,39 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
 
 def check_at_world_size(jobs: List[Dict[str, Any]], world_size: int) -> None:
     run_world(_check_worker, world_size, jobs)
+
+
+def _fsdp2_worker(rank: int, world_size: int, dcp_dir: str, out: str) -> None:
+    """TinyLM under torch's FSDP2, optimizer groups as the DCP lists them, loaded from ``dcp_dir``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    from ..io.dcp import open_dcp
+
+    torch.manual_seed(9)  # not the run's seed: loading must overwrite every value
+    model = TinyLM()
+    for layer in model.layers:
+        fully_shard(layer)  # the root stays unsharded: fully_shard refuses the 0-dim temperature
+    by_name = dict(model.named_parameters())
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in g["params"]]}
+              for g in open_dcp(dcp_dir).tree["optim"]["param_groups"]]
+    optim = torch.optim.AdamW(groups)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    full = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, out)
+
+
+def optimizer_loaded_in_fsdp2(dcp_dir: str, out: str, world_size: int) -> None:
+    """Load a DCP of this model into FSDP2 on ``world_size`` ranks; rank 0 saves the gathered optimizer state."""
+    run_world(_fsdp2_worker, world_size, dcp_dir, out)
