@@ -62,6 +62,15 @@ def test_metadata_saved_apart_from_the_weights_is_named_as_such(fixtures, tmp_pa
                  tmp_path)
 
 
+def test_replicas_of_a_smaller_sharding_are_named_as_such(fixtures, tmp_path):
+    # Hybrid sharding: ranks 2-3 repeat ranks 0-1 (a second replica of a 2-rank FSDP group).
+    src = copy_fixture(fixtures, tmp_path, ws=2)
+    for r in range(2):
+        shutil.copy(src / f"checkpoint_last-shard{r}.pt", src / f"checkpoint_last-shard{r + 2}.pt")
+    expect_error(src, "fit 2 ranks: is there a shard file too many, or are these 2 replicas of a 2-rank sharding",
+                 tmp_path)
+
+
 def test_extra_shard(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
     shutil.copy(src / "checkpoint_last-shard2.pt", src / "checkpoint_last-shard3.pt")

@@ -234,8 +234,11 @@ def _world_size_hint(numel: int, per_rank: int, found: int) -> str:
     fits = -(-numel // per_rank)  # the fewest ranks that give shards of this size
     if -(-numel // fits) != per_rank or fits == found:
         return ""
-    return (f" on {found} ranks; shards of {per_rank} fit {fits} ranks: "
-            + ("is a shard file missing?" if fits > found else "is there a shard file too many (another run's)?"))
+    if fits > found:
+        return f" on {found} ranks; shards of {per_rank} fit {fits} ranks: is a shard file missing?"
+    replicas = f", or are these {found // fits} replicas of a {fits}-rank sharding (pass one replica's files)" \
+        if found % fits == 0 else ""
+    return f" on {found} ranks; shards of {per_rank} fit {fits} ranks: is there a shard file too many{replicas}?"
 
 
 def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
