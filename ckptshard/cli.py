@@ -269,7 +269,7 @@ def verify(ctx: click.Context, path: str) -> None:
 @click.option("--reshard", "extra", multiple=True, metavar="M->N", help="Add a scenario: train at M ranks, reshard, resume at N (repeatable).")
 @click.option("--container", type=click.Choice(["fairseq", "metaseq"]), default="fairseq", show_default=True,
               help="Container the runs save and resume from.")
-@click.option("--variant", type=click.Choice(["fp32", "mixed", "frozen"]), default=None, help="Precision for every scenario (default: each scenario's own).")
+@click.option("--variant", type=click.Choice(["fp32", "mixed", "frozen", "groups"]), default=None, help="Precision for every scenario (default: each scenario's own).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: gloo with the CPU compat layer; cuda: NCCL, one GPU per rank, no compat layer.")
 @click.option("--work", type=click.Path(), default=None, help="Folder for the runs' checkpoints (default: a temporary one, removed).")

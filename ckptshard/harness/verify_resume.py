@@ -50,6 +50,7 @@ DEFAULT_SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("consolidated, loaded after head wrapping", 2, 2, "consolidated-after"),
     Scenario("mixed precision, fp32 prototypes", 2, 2, "local", variant="mixed"),
     Scenario("frozen trunk (not in the optimizer), reshard 2->3", 2, 3, "reshard", variant="frozen"),
+    Scenario("two param groups, head listed first, reshard 2->3", 2, 3, "reshard", variant="groups"),
     Scenario("negative control: no optimizer state", 2, 2, "local", optimizer=False, expect_mismatch=True),
     Scenario("load and re-save, no step", 2, 2, "resave"),
 )

@@ -74,6 +74,8 @@ def make_optimizer(params, variant: str) -> torch.optim.Optimizer:
     frozen trunk the optimizer numbers fewer entries than FSDP has flat parameters.
     """
     params = [p for p in params if p.requires_grad]
+    if variant == "groups":  # a learning rate of its own for the head, listed first: ids out of model order
+        return torch.optim.Adam([{"params": params[-3:], "lr": 2 * LR}, {"params": params[:-3]}], lr=LR)
     if variant == "half":
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.Adam(params, lr=LR)
@@ -111,7 +113,7 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
     full = root.state_dict()
     # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params), nor
     # with frozen parameters: it takes optimizer entry k for FSDP instance k.
-    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 and variant != "frozen" else None
+    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 and variant not in ("frozen", "groups") else None
     local, meta = root.local_state_dict(), root.local_metadata_dict()
     osd = optim.state_dict()
     m = inner(root)

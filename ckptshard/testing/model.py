@@ -103,7 +103,8 @@ def fixture_wrap_kwargs(variant: str) -> Dict[str, Dict[str, Any]]:
 
     ``mixed``: fp16 compute over fp32 shards in trunk and head; ``half``: a
     pure-fp16 trunk (fp16 shards); ``fp32``: full precision everywhere;
-    ``frozen``: fp32 with the trunk frozen (not in the optimizer).
+    ``frozen``: fp32 with the trunk frozen (not in the optimizer); ``groups``:
+    fp32 with the optimizer in two param groups, the head's listed first.
     Prototypes are always fp32 and unflattened, as in VISSL's SwAV.
     """
     proto = {"flatten_parameters": False, "mixed_precision": False, "fp32_reduce_scatter": False,
@@ -116,6 +117,6 @@ def fixture_wrap_kwargs(variant: str) -> Dict[str, Dict[str, Any]]:
     if variant == "half":
         return {"trunk": {"mixed_precision": False, "compute_dtype": torch.float16},
                 "head": {"mixed_precision": False, "force_input_to_fp32": True}, "prototypes": proto, "root": {}}
-    if variant in ("fp32", "frozen"):  # frozen: fp32, the trunk's parameters requires_grad=False
+    if variant in ("fp32", "frozen", "groups"):  # frozen: fp32, the trunk's parameters requires_grad=False
         return {"trunk": {}, "head": {}, "prototypes": proto, "root": {}}
     raise ValueError(f"unknown fixture variant {variant!r}")
