@@ -119,6 +119,9 @@ def test_consolidated_optimizer_equals_the_live_moments(lm, v):
     if v == "groups":
         ids = [sorted({got["param_id_map"][x] for x in g["params"]}) for g in got["param_groups"]]
         assert ids == [g["params"] for g in src_groups]
+        res = consolidate(str(lm["src_root"] / v / "src"), str(lm["work"] / v / "again.pt"), optimizer=True,
+                          progress=False)
+        assert [n for n in res.notes if "2 param groups" in n and "get_shard_from_optim_state_dict" in n]
 
 
 @pytest.mark.parametrize("v", VARIANTS)

@@ -242,4 +242,9 @@ def consolidate(
         for o in outputs:
             if os.path.isfile(o):
                 write_file_manifest(o, source, "consolidate", hashes)
-    return ConsolidateResult(outputs, len(weights), total, per_rank_note(ckpt))
+    notes = per_rank_note(ckpt)
+    if optim is not None and len(optim["param_groups"]) > 1:
+        notes.append(f"the optimizer has {len(optim['param_groups'])} param groups: each lists its parameters' "
+                     "global ids, which fairscale's get_shard_from_optim_state_dict (one group only) cannot "
+                     "read; ckptshard shard --optimizer and load_checkpoint can")
+    return ConsolidateResult(outputs, len(weights), total, notes)
