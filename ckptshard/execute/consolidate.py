@@ -41,7 +41,7 @@ class ConsolidateResult:
 
 def per_rank_note(ckpt: ShardedCheckpoint) -> List[str]:
     """FSDP instances each rank holds whole (own process group of 1, e.g. MoE experts): only rank 0's is written."""
-    paths = [p.prefix + (i.path or "<root>") for p in ckpt.layout.parts for i in p.instances if i.no_broadcast_optim_state]
+    paths = ckpt.layout.per_rank_instances()
     if not paths or ckpt.world_size == 1:
         return []
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")

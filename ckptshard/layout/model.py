@@ -110,6 +110,10 @@ class ShardedLayout:
         """Every flat param, in the order optimizers number them."""
         return [(part, inst, fp) for part in self.parts for inst, fp in part.flat_params()]
 
+    def per_rank_instances(self) -> List[str]:
+        """Instances each rank holds whole, with its own values (``no_broadcast_optim_state``, e.g. MoE experts)."""
+        return [p.prefix + (i.path or "<root>") for p in self.parts for i in p.instances if i.no_broadcast_optim_state]
+
     def param_names(self) -> List[str]:
         return [
             part.prefix + inst.logical_name(m.name)

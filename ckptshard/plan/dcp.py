@@ -243,7 +243,7 @@ def fairscale_to_dcp(
     (``no_broadcast_optim_state``, e.g. MoE experts) are refused: a DCP name
     has one value, and keeping rank 0's would drop the others silently.
     """
-    per_rank = [p.prefix + i.path for p in ckpt.layout.parts for i in p.instances if i.no_broadcast_optim_state]
+    per_rank = ckpt.layout.per_rank_instances()
     if per_rank and ckpt.world_size > 1:
         raise CheckpointError(
             f"{per_rank[0]}: each rank holds its own parameters (no_broadcast_optim_state, e.g. MoE experts): "
