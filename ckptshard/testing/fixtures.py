@@ -112,7 +112,8 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
     losses = train_steps(root, optim, rank, world_size, range(steps), seed)
     full = root.state_dict()
     # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params), nor
-    # with frozen parameters: it takes optimizer entry k for FSDP instance k.
+    # with frozen parameters (it takes optimizer entry k for FSDP instance k), nor with several
+    # param groups (it asserts one).
     full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 and variant not in ("frozen", "groups") else None
     local, meta = root.local_state_dict(), root.local_metadata_dict()
     osd = optim.state_dict()
