@@ -7,7 +7,23 @@ from blake3 import blake3
 from ckptshard.io.hashing import MAX_AHEAD, Hashes
 
 
-def test_trailing_hash_equals_blake3_of_the_finished_file(tmp_path):
+@pytest.fixture(params=["mapped", "read"])
+def span_source(request, monkeypatch):
+    """Run a test with the hash pass mapping outputs (the default) and with mapping refused (reads instead)."""
+    if request.param == "read":
+        import ckptshard.io.hashing as hashing
+
+        def refuse(*args, **kwargs):
+            if args and args[0] != -1:  # file mappings only: the fallback's own buffer is anonymous
+                raise OSError(19, "mapping refused")
+            return real(*args, **kwargs)
+
+        real = hashing.mmap.mmap
+        monkeypatch.setattr(hashing.mmap, "mmap", refuse)
+    return request.param
+
+
+def test_trailing_hash_equals_blake3_of_the_finished_file(tmp_path, span_source):
     path = tmp_path / "f"
     data = os.urandom(3 * (8 << 20) + 12345)
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
@@ -112,7 +128,7 @@ def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refu
     assert isinstance(huge, FakeTensor) and huge.shape == (1 << 52,)
 
 
-def test_crcs_are_written_by_the_hash_pass_before_it_hashes_them(tmp_path):
+def test_crcs_are_written_by_the_hash_pass_before_it_hashes_them(tmp_path, span_source):
     """Records at odd offsets, across block edges; each CRC goes after its record (and once more at the end)."""
     import struct
     import zlib
