@@ -167,3 +167,62 @@ def test_a_size_reaches_a_worker_as_itself_not_as_torch_size():
     from ckptshard.execute.parallel import map_in_processes
 
     assert map_in_processes(type, [Size((2, 3))], 1) == [Size]
+
+
+def _three_ways(fixtures, out, monkeypatch):
+    """reshard, a consolidated folder and DCP (every command that writes several files in one process):
+    the names of the threads that copied each one's tensors."""
+    import threading
+
+    from ckptshard.execute.consolidate import consolidate
+    from ckptshard.execute.convert import convert
+    from ckptshard.io.fill import Copier
+
+    names = set()
+    real = Copier.fill
+    monkeypatch.setattr(Copier, "fill", lambda self, *a: (names.add(threading.current_thread().name), real(self, *a))[1])
+    out.mkdir()
+    seen = []
+    reshard(str(fixtures[3] / "vissl"), str(out / "re"), 5, progress=False)
+    seen.append(set(names))
+    names.clear()
+    consolidate(str(fixtures[3] / "fairseq"), str(out / "idx"), max_shard_size=2000, progress=False)
+    seen.append(set(names))
+    names.clear()
+    convert(str(fixtures[3] / "fairseq"), str(out / "dcp"), "dcp", progress=True)  # the bar's ticks come from threads
+    seen.append(set(names))
+    return seen
+
+
+@pytest.mark.parametrize("cores", [2, 3, 8])
+def test_writer_threads_give_the_bytes_of_one_thread(fixtures, tmp_path, monkeypatch, cores):
+    """The files of one output are written by several threads (one per core, at most 4; each file whole by one):
+    the same bytes as one thread."""
+    import ckptshard.execute.parallel as parallel
+
+    monkeypatch.setattr(parallel, "_cores", lambda: 1)
+    assert _three_ways(fixtures, tmp_path / "one", monkeypatch) == [{"MainThread"}] * 3
+    monkeypatch.setattr(parallel, "_cores", lambda: cores)
+    files = (5, 3, 3)  # shards, safetensors files, DCP data files
+    for threads, n in zip(_three_ways(fixtures, tmp_path / "threads", monkeypatch), files):
+        assert len(threads) == min(cores, 4, n) and all(t.startswith("ckptshard writer") for t in threads), threads
+    for out in ("re", "idx", "dcp"):
+        assert len(same_files(tmp_path / "one" / out, tmp_path / "threads" / out)) >= 4, out
+
+
+def test_a_failing_writer_thread_fails_the_command_and_leaves_no_output(fixtures, tmp_path, monkeypatch):
+    import ckptshard.execute.parallel as parallel
+    from ckptshard.errors import CheckpointError
+
+    monkeypatch.setattr(parallel, "_cores", lambda: 2)
+    real = parallel._write_one
+
+    def second_fails(job, *args):
+        if job[1].endswith("shard1.torch"):
+            raise CheckpointError("disk on fire")
+        return real(job, *args)
+
+    monkeypatch.setattr(parallel, "_write_one", second_fails)
+    with pytest.raises(CheckpointError, match="disk on fire"):
+        reshard(str(fixtures[3] / "vissl"), str(tmp_path / "re"), 5, progress=False)
+    assert list(tmp_path.iterdir()) == []  # no output, no temporary

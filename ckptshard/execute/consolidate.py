@@ -25,6 +25,8 @@ from .parallel import (
     torchrun_world,
     write_folder_across_ranks,
     write_safetensors_in_processes,
+    write_safetensors_in_threads,
+    writer_threads,
 )
 from .progress import progress_bar
 
@@ -146,6 +148,9 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copie
         if jobs > 1:
             finish(tmp, [write_safetensors_in_processes([(group, os.path.join(tmp, name)) for name, group in files],
                                                         jobs, SAFETENSORS_META, tick)])
+        elif writer_threads(len(files)) > 1:
+            finish(tmp, [write_safetensors_in_threads([(group, os.path.join(tmp, name)) for name, group in files],
+                                                      SAFETENSORS_META, tick)])
         else:
             for name, group in files:
                 write_safetensors(os.path.join(tmp, name), group, copier, tick, SAFETENSORS_META, hashes)

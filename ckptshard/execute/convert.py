@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
 from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_dcp, write_metadata
-from ..io.fill import Copier, is_tensor
+from ..io.fill import Copier, Progress, is_tensor
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.source import open_checkpoint
@@ -39,7 +39,8 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
-from .parallel import Digests, leads, map_in_processes, run_checked, torchrun_world, write_folder_across_ranks
+from .parallel import (Digests, leads, map_in_processes, map_in_threads, run_checked, torchrun_world,
+                       write_folder_across_ranks, writer_threads)
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -129,8 +130,8 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
             digests: Digests = {}
-            if jobs > 1:
-                names, digests = _dcp_in_processes(tmp, plan, jobs, tick)
+            if jobs > 1 or writer_threads(len(data_files(plan))) > 1:
+                names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
             else:
                 names = write_dcp(tmp, plan, copier, tick, hashes)
             write_json(os.path.join(tmp, MANIFEST),
@@ -138,24 +139,29 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     return ConvertResult([out], len(weights), plan.nbytes)
 
 
-def _write_data_file_hashed(path: str, items: List[Any]) -> Tuple[List[Tuple[int, int]], str]:
-    """One data file and its digest, hashed by the process that writes it."""
+def _write_data_file_hashed(path: str, items: List[Any], tick: Optional[Progress] = None
+                            ) -> Tuple[List[Tuple[int, int]], str]:
+    """One data file and its digest, hashed by the process (or thread) that writes it."""
     with Copier() as copier, Hashes() as hashes:
-        placed = write_data_file(path, items, copier, None, hashes)
+        placed = write_data_file(path, items, copier, tick, hashes)
         return placed, hashes.digest(path)
 
 
-def _write_data_file_job(job: Tuple[str, List[Any]]) -> Tuple[List[Tuple[int, int]], str]:
-    return _write_data_file_hashed(*job)
+def _write_data_file_job(job: Tuple[str, List[Any]], tick: Optional[Progress] = None
+                         ) -> Tuple[List[Tuple[int, int]], str]:
+    return _write_data_file_hashed(*job, tick)
 
 
-def _dcp_in_processes(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List[str], Digests]:
-    """``--jobs``: the data files in local processes (the same bytes), then .metadata here."""
+def _dcp_in_parallel(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List[str], Digests]:
+    """The data files in ``jobs`` local processes, or with ``jobs`` 1 in threads (the same bytes); then .metadata."""
     files = data_files(plan)
     names = data_file_names(files)
     work = [(os.path.join(folder, n), items) for n, items in zip(names, files)]
-    done = (lambda job: tick(sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))) if tick else None
-    results = map_in_processes(_write_data_file_job, work, jobs, done)
+    if jobs > 1:
+        done = (lambda job: tick(sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))) if tick else None
+        results = map_in_processes(_write_data_file_job, work, jobs, done)
+    else:
+        results = map_in_threads(_write_data_file_job, work, writer_threads(len(work)), tick)
     return write_metadata(folder, plan, files, [p for p, _ in results]), dict(zip(names, (d for _, d in results)))
 
 

@@ -20,7 +20,8 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
-from .parallel import Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes
+from .parallel import (Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes,
+                       write_in_threads, writer_threads)
 from .progress import progress_bar
 
 
@@ -67,6 +68,8 @@ def write_rank_files(
             digests: Digests = {}
             if jobs > 1:
                 digests = write_in_processes(work, jobs, template.trust_pickles, tick)
+            elif writer_threads(len(work)) > 1:
+                digests = write_in_threads(work, template.trust_pickles, tick)
             else:
                 for tree, path in work:
                     write_torch(path, tree, copier, tick, template.trust_pickles, hashes)
