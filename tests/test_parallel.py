@@ -215,14 +215,25 @@ def test_a_failing_writer_thread_fails_the_command_and_leaves_no_output(fixtures
     from ckptshard.errors import CheckpointError
 
     monkeypatch.setattr(parallel, "_cores", lambda: 2)
+    import threading
+    import time
+
     real = parallel._write_one
+    failed = threading.Event()
+    started = []
 
     def second_fails(job, *args):
+        started.append(job[1])
         if job[1].endswith("shard1.torch"):
+            failed.set()
             raise CheckpointError("disk on fire")
+        if job[1].endswith("shard0.torch"):  # still running when shard1 fails: it ends, then the error is raised
+            failed.wait(10)
+            time.sleep(1)
         return real(job, *args)
 
     monkeypatch.setattr(parallel, "_write_one", second_fails)
     with pytest.raises(CheckpointError, match="disk on fire"):
         reshard(str(fixtures[3] / "vissl"), str(tmp_path / "re"), 5, progress=False)
     assert list(tmp_path.iterdir()) == []  # no output, no temporary
+    assert len(started) == 2  # shards 2-4, not yet started when shard1 failed, were never begun

@@ -95,11 +95,11 @@ def _cores() -> int:
 def map_in_threads(fn: Callable[..., T], jobs: Sequence[Any], n: int, tick: Optional[Progress], *args: Any) -> List[T]:
     """``fn(job, *args, tick)`` for every job, ``n`` threads at a time; results in job order.
 
-    ``tick`` (progress) is called from every thread, under one lock. The
-    first failure is raised once every started job has ended; jobs not yet
-    started are cancelled.
+    ``tick`` (progress) is called from every thread, under one lock. On the
+    first failure the jobs not yet started are cancelled, and it is raised
+    once the running ones have ended (a kernel copy cannot be interrupted).
     """
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     lock = threading.Lock()
 
@@ -110,11 +110,11 @@ def map_in_threads(fn: Callable[..., T], jobs: Sequence[Any], n: int, tick: Opti
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckptshard writer") as pool:
         futures = [pool.submit(fn, job, *args, locked if tick else None) for job in jobs]
         try:
-            return [f.result() for f in futures]
-        except BaseException:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:  # a failure, or Ctrl-C in this thread: start nothing more
             for f in futures:
                 f.cancel()
-            raise
+        return [f.result() for f in futures]
 
 
 def write_in_threads(jobs: Sequence[Job], trust_pickles: bool, tick: Optional[Progress] = None) -> Digests:
