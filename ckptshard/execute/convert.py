@@ -130,8 +130,9 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
         with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
             digests: Digests = {}
-            if jobs > 1 or writer_threads(len(data_files(plan))) > 1:
-                names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
+            files = data_files(plan)
+            if jobs > 1 or writer_threads(len(files)) > 1:
+                names, digests = _dcp_in_parallel(tmp, plan, files, jobs, tick)
             else:
                 names = write_dcp(tmp, plan, copier, tick, hashes)
             write_json(os.path.join(tmp, MANIFEST),
@@ -152,9 +153,9 @@ def _write_data_file_job(job: Tuple[str, List[Any]], tick: Optional[Progress] = 
     return _write_data_file_hashed(*job, tick)
 
 
-def _dcp_in_parallel(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List[str], Digests]:
-    """The data files in ``jobs`` local processes, or with ``jobs`` 1 in threads (the same bytes); then .metadata."""
-    files = data_files(plan)
+def _dcp_in_parallel(folder: str, plan: Any, files: List[List[Any]], jobs: int, tick: Any
+                     ) -> Tuple[List[str], Digests]:
+    """The data ``files`` in ``jobs`` local processes, or with ``jobs`` 1 in threads (the same bytes); then .metadata."""
     names = data_file_names(files)
     work = [(os.path.join(folder, n), items) for n, items in zip(names, files)]
     if jobs > 1:
