@@ -201,7 +201,7 @@ def test_writer_threads_give_the_bytes_of_one_thread(fixtures, tmp_path, monkeyp
     import ckptshard.execute.parallel as parallel
 
     monkeypatch.setattr(parallel, "_cores", lambda: 1)
-    assert _three_ways(fixtures, tmp_path / "one", monkeypatch) == [{"MainThread"}] * 3
+    assert _three_ways(fixtures, tmp_path / "one", monkeypatch) == [{"ckptshard writer_0"}] * 3  # one writer
     monkeypatch.setattr(parallel, "_cores", lambda: cores)
     files = (5, 3, 3)  # shards, safetensors files, DCP data files
     for threads, n in zip(_three_ways(fixtures, tmp_path / "threads", monkeypatch), files):

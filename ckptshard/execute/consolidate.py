@@ -24,9 +24,7 @@ from .parallel import (
     run_checked,
     torchrun_world,
     write_folder_across_ranks,
-    write_safetensors_in_processes,
-    write_safetensors_in_threads,
-    writer_threads,
+    write_safetensors_files,
 )
 from .progress import progress_bar
 
@@ -116,21 +114,22 @@ def check_parallel(fmt: str, jobs: int) -> None:
                               "give --max-shard-size to write a folder of files")
 
 
-def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copier: Copier, tick: Any,
-                       source: Dict[str, Any], command: str, overwrite: bool, hashes: Hashes, jobs: int = 1) -> None:
+def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, tick: Any, source: Dict[str, Any],
+                       command: str, overwrite: bool, jobs: int = 1) -> None:
     """An index-sharded safetensors folder, atomically, with its manifest inside.
 
-    ``jobs`` > 1 writes its files in local processes; under torchrun rank r
-    writes files r, r + world, ... and rank 0 the index and the manifest.
+    ``jobs`` > 1 writes its files in local processes, else threads of this
+    one do; under torchrun rank r writes files r, r + world, ... and rank 0
+    the index and the manifest.
     Every way gives the same bytes.
     """
     files, index = safetensors_index_plan(tensors, max_bytes, SAFETENSORS_META)
     names = [name for name, _ in files]
 
-    def finish(folder: str, shares: Sequence[Digests] = (), hashed: Optional[Hashes] = None) -> None:
+    def finish(folder: str, shares: Sequence[Digests]) -> None:
         written = names + [write_index_json(folder, index)]
         write_json(os.path.join(folder, MANIFEST),
-                   build_manifest(folder, written, source, command, hashed, merged(shares)))
+                   build_manifest(folder, written, source, command, None, merged(shares)))
 
     world = torchrun_world()
     if world is not None:
@@ -145,16 +144,8 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, copie
         write_folder_across_ranks(out, overwrite, sum(f.nbytes for f in tensors.values()), rank, n, share, finish)
         return
     with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-        if jobs > 1:
-            finish(tmp, [write_safetensors_in_processes([(group, os.path.join(tmp, name)) for name, group in files],
-                                                        jobs, SAFETENSORS_META, tick)])
-        elif writer_threads(len(files)) > 1:
-            finish(tmp, [write_safetensors_in_threads([(group, os.path.join(tmp, name)) for name, group in files],
-                                                      SAFETENSORS_META, tick)])
-        else:
-            for name, group in files:
-                write_safetensors(os.path.join(tmp, name), group, copier, tick, SAFETENSORS_META, hashes)
-            finish(tmp, hashed=hashes)
+        work = [(group, os.path.join(tmp, name)) for name, group in files]
+        finish(tmp, [write_safetensors_files(work, jobs, SAFETENSORS_META, tick)])
 
 
 def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,
@@ -162,13 +153,13 @@ def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source:
                jobs: int = 1) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
-    An index folder carries its manifest inside (and may be written by
-    ``jobs`` processes or torchrun ranks); a single file gets it from
+    An index folder carries its manifest inside (its files written by
+    threads, ``jobs`` processes or torchrun ranks); a single file gets it from
     :func:`write_file_manifest` once every output is in place. ``hashes``
     hashes the output while it is written.
     """
     if fmt == "safetensors-index":
-        write_index_folder(out, tree, max_shard_size or 0, copier, tick, source, command, overwrite, hashes, jobs)
+        write_index_folder(out, tree, max_shard_size or 0, tick, source, command, overwrite, jobs)
         return
     with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
         if fmt == "torch":

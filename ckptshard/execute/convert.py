@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
-from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_dcp, write_metadata
+from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_metadata
 from ..io.fill import Copier, Progress, is_tensor
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
@@ -39,8 +39,7 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
-from .parallel import (Digests, leads, map_in_processes, map_in_threads, run_checked, torchrun_world,
-                       write_folder_across_ranks, writer_threads)
+from .parallel import Digests, leads, map_jobs, run_checked, torchrun_world, write_folder_across_ranks
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
@@ -127,16 +126,10 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
         _dcp_across_ranks(plan, out, overwrite, source_info(ckpt), *world)
         return ConvertResult([out], len(weights), plan.nbytes)
     check_space(out, plan.nbytes)
-    with Copier() as copier, Hashes() as hashes, progress_bar(plan.nbytes, "convert -> dcp", progress) as tick:
-        with atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
-            digests: Digests = {}
-            files = data_files(plan)
-            if jobs > 1 or writer_threads(len(files)) > 1:
-                names, digests = _dcp_in_parallel(tmp, plan, files, jobs, tick)
-            else:
-                names = write_dcp(tmp, plan, copier, tick, hashes)
-            write_json(os.path.join(tmp, MANIFEST),
-                       build_manifest(tmp, names, source_info(ckpt), "convert", hashes, digests))
+    with progress_bar(plan.nbytes, "convert -> dcp", progress) as tick, \
+            atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+        names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
+        write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", None, digests))
     return ConvertResult([out], len(weights), plan.nbytes)
 
 
@@ -153,16 +146,13 @@ def _write_data_file_job(job: Tuple[str, List[Any]], tick: Optional[Progress] = 
     return _write_data_file_hashed(*job, tick)
 
 
-def _dcp_in_parallel(folder: str, plan: Any, files: List[List[Any]], jobs: int, tick: Any
-                     ) -> Tuple[List[str], Digests]:
-    """The data ``files`` in ``jobs`` local processes, or with ``jobs`` 1 in threads (the same bytes); then .metadata."""
+def _dcp_in_parallel(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List[str], Digests]:
+    """The data files in ``jobs`` local processes, or with ``jobs`` 1 in threads (the same bytes); then .metadata."""
+    files = data_files(plan)
     names = data_file_names(files)
     work = [(os.path.join(folder, n), items) for n, items in zip(names, files)]
-    if jobs > 1:
-        done = (lambda job: tick(sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))) if tick else None
-        results = map_in_processes(_write_data_file_job, work, jobs, done)
-    else:
-        results = map_in_threads(_write_data_file_job, work, writer_threads(len(work)), tick)
+    results = map_jobs(_write_data_file_job, work, jobs, tick,
+                       lambda job: sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))
     return write_metadata(folder, plan, files, [p for p, _ in results]), dict(zip(names, (d for _, d in results)))
 
 

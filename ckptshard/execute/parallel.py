@@ -117,29 +117,30 @@ def map_in_threads(fn: Callable[..., T], jobs: Sequence[Any], n: int, tick: Opti
         return [f.result() for f in futures]
 
 
-def write_in_threads(jobs: Sequence[Job], trust_pickles: bool, tick: Optional[Progress] = None) -> Digests:
-    """Write every (tree, path) job as torch.save, :func:`writer_threads` at a time; digests by name."""
-    return by_name(map_in_threads(_write_one, jobs, writer_threads(len(jobs)), tick, trust_pickles))
+def map_jobs(fn: Callable[..., T], jobs: Sequence[Any], processes: int, tick: Optional[Progress],
+             nbytes: Callable[[Any], int], *args: Any) -> List[T]:
+    """``fn(job, *args)`` for every job: in ``processes`` local processes where more than 1 (``--jobs``),
+    else in :func:`writer_threads` threads of this one; results in job order.
+
+    Progress: threads tick as they copy; a process's job ticks its ``nbytes(job)`` when it is done.
+    """
+    if processes > 1:
+        return map_in_processes(fn, jobs, processes, (lambda job: tick(nbytes(job))) if tick else None, *args)
+    return map_in_threads(fn, jobs, writer_threads(len(jobs)), tick, *args)
 
 
-def write_safetensors_in_threads(jobs: Sequence[Job], metadata: Optional[Dict[str, str]],
-                                 tick: Optional[Progress] = None) -> Digests:
-    """Write every ({name: Fill}, path) job as safetensors, :func:`writer_threads` at a time; digests by name."""
-    return by_name(map_in_threads(_write_one_safetensors, jobs, writer_threads(len(jobs)), tick, metadata))
+def write_torch_files(jobs: Sequence[Job], processes: int, trust_pickles: bool, tick: Optional[Progress] = None
+                      ) -> Digests:
+    """Write every (tree, path) job as torch.save (see :func:`map_jobs`); each file's digest, by name,
+    computed by the process or thread that wrote it."""
+    return by_name(map_jobs(_write_one, jobs, processes, tick, lambda job: tree_nbytes(job[0]), trust_pickles))
 
 
-def write_in_processes(jobs: Sequence[Job], n: int, trust_pickles: bool, tick: Optional[Any] = None) -> Digests:
-    """Write every job, ``n`` processes at a time; each file's digest, computed by the process that wrote it."""
-    return by_name(map_in_processes(_write_one, jobs, n, (lambda job: tick(tree_nbytes(job[0]))) if tick else None,
-                                    trust_pickles))
-
-
-def write_safetensors_in_processes(jobs: Sequence[Job], n: int, metadata: Optional[Dict[str, str]],
-                                   tick: Optional[Any] = None) -> Digests:
-    """Write every ({name: Fill}, path) job as a safetensors file, ``n`` processes at a time; digests by name."""
-    return by_name(map_in_processes(_write_one_safetensors, jobs, n,
-                                    (lambda job: tick(sum(f.nbytes for f in job[0].values()))) if tick else None,
-                                    metadata))
+def write_safetensors_files(jobs: Sequence[Job], processes: int, metadata: Optional[Dict[str, str]],
+                            tick: Optional[Progress] = None) -> Digests:
+    """Write every ({name: Fill}, path) job as a safetensors file (see :func:`map_jobs`); digests by name."""
+    return by_name(map_jobs(_write_one_safetensors, jobs, processes, tick,
+                            lambda job: sum(f.nbytes for f in job[0].values()), metadata))
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:

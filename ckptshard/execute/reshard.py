@@ -20,8 +20,7 @@ from ..io.writers import tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
-from .parallel import (Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_in_processes,
-                       write_in_threads, writer_threads)
+from .parallel import Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_torch_files
 from .progress import progress_bar
 
 
@@ -53,8 +52,9 @@ def write_rank_files(
     """Write one file per planned rank tree into folder ``dst``, named like ``template``'s.
 
     The whole folder appears at once when complete (VISSL gets its shard_list
-    too). ``jobs`` > 1 writes files in that many local processes; under
-    torchrun the ranks share the files (see :mod:`.parallel`).
+    too). ``jobs`` > 1 writes files in that many local processes, else
+    threads of this one do; under torchrun the ranks share the files (see
+    :mod:`.parallel`).
     """
     total = sum(tree_nbytes(t) for t in trees)
     names = [template.files.name_for(r) for r in range(len(trees))]
@@ -62,30 +62,22 @@ def write_rank_files(
     if world is not None:
         return _write_distributed(template, trees, names, dst, desc, overwrite, source, total, *world)
     check_space(dst, total)
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, desc, progress) as tick:
-        with atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
-            work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
-            digests: Digests = {}
-            if jobs > 1:
-                digests = write_in_processes(work, jobs, template.trust_pickles, tick)
-            elif writer_threads(len(work)) > 1:
-                digests = write_in_threads(work, template.trust_pickles, tick)
-            else:
-                for tree, path in work:
-                    write_torch(path, tree, copier, tick, template.trust_pickles, hashes)
-            names = _finish_folder(template, tmp, names, source, desc, hashes, digests)
+    with progress_bar(total, desc, progress) as tick, atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
+        work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
+        digests = write_torch_files(work, jobs, template.trust_pickles, tick)
+        names = _finish_folder(template, tmp, names, source, desc, digests)
     return ReshardResult(dst, names, total)
 
 
 def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str,
-                   hashes: Optional[Hashes] = None, digests: Optional[Digests] = None) -> List[str]:
-    """VISSL's shard_list and the manifest, once every rank file is written."""
+                   digests: Digests) -> List[str]:
+    """VISSL's shard_list and the manifest, once every rank file is written (``digests``: by their writers)."""
     names = list(names)
     if template.container.kind == "vissl":
         list_name = shard_list_name(template)
         save_plain(os.path.join(folder, list_name), {"type": "shard_list", "shards": names})
         names.append(list_name)
-    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], hashes, digests))
+    write_json(os.path.join(folder, MANIFEST), build_manifest(folder, names, source, desc.split()[0], None, digests))
     return names
 
 
@@ -98,7 +90,7 @@ def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names:
             return {names[i]: hashes.digest(os.path.join(folder, names[i])) for i in range(rank, len(trees), world)}
 
     def finish(folder: str, shares: List[Digests]) -> List[str]:
-        return _finish_folder(template, folder, names, source, desc, digests=merged(shares))
+        return _finish_folder(template, folder, names, source, desc, merged(shares))
 
     written = write_folder_across_ranks(dst, overwrite, total, rank, world, share, finish)
     return ReshardResult(dst, written or names, total)

@@ -191,18 +191,6 @@ def data_file_names(files: List[List[Item]]) -> List[str]:
     return [f"__{i}_0.distcp" for i in range(len(files))]
 
 
-def write_dcp(folder: str, plan: DcpPlan, copier: Copier, progress: Optional[Progress] = None,
-              hashes: Optional[Hashes] = None) -> List[str]:
-    """Write a planned DCP checkpoint into the existing ``folder``; returns the names of the files written.
-
-    Tied tensors (one Fill under two names) are stored once and named twice.
-    """
-    files = data_files(plan)
-    placements = [write_data_file(os.path.join(folder, n), items, copier, progress, hashes)
-                  for n, items in zip(data_file_names(files), files)]
-    return write_metadata(folder, plan, files, placements)
-
-
 def write_metadata(folder: str, plan: DcpPlan, files: List[List[Item]], placements: List[List[Tuple[int, int]]]) -> List[str]:
     """``.metadata`` once every data file is written: each item's (offset, length) per file."""
     names = data_file_names(files)
