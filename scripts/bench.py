@@ -7,8 +7,14 @@ process, side by side in one run, and reports wall time, the ratio to
 Warm page cache for every command alike (the first cp warms it); before
 every timed command the page cache's dirty pages are written back (``sync``,
 not timed), and commands run round-robin ``--repeat`` times: the median is
-reported, since this machine's virtual disk makes single runs swing 3x
-(the fastest run of each is reported too).
+reported (the fastest run of each is reported too).
+Right before each timed command the harness also touches, then frees,
+``--prefault-gib`` of memory (not timed): this VM hands the pages that a
+deleted output freed back to its host (virtio-balloon free page reporting)
+within a second or two, and a command that then allocates page cache has
+each page faulted back in from the host. That made any single run, ``cp -r``
+included, 2-5x slower at random (``cp -r`` of 2 GiB: 2.5-2.9 s after
+``rm``, ``sync`` and a 2 s pause, 0.51-0.63 s with the prefault).
 ckptshard fsyncs its outputs and checksums them into a manifest; ``cp -r``
 does neither, so ``cp -r && sync`` is reported as the like-for-like baseline,
 and ``--no-fsync`` rows compare with the plain ``cp -r``.
@@ -20,6 +26,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import shutil
 import statistics
@@ -75,9 +82,23 @@ for rank in range(n):
 """
 
 
+def prefault(nbytes: int) -> None:
+    """Touch and free ``nbytes`` of anonymous memory: the guest owns those pages again (see the module doc)."""
+    if nbytes <= 0:
+        return
+    block = b"\1" * (1 << 20)
+    with mmap.mmap(-1, nbytes) as m:
+        for _ in range(nbytes >> 20):
+            m.write(block)
+
+
+PREFAULT = 0  # bytes; set from --prefault-gib
+
+
 def run(cmd: List[str]) -> Tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one command."""
     os.sync()
+    prefault(PREFAULT)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=ROOT)
     _, status, usage = os.wait4(p.pid, 0)
@@ -172,15 +193,23 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per command; the median wall time is reported")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
     ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
+    ap.add_argument("--prefault-gib", type=float, default=None,
+                    help="memory touched and freed before each timed command (default: twice the largest size, "
+                         "at most half the available memory); 0 turns it off")
     args = ap.parse_args()
+    global PREFAULT
+    sizes = [float(s) for s in args.sizes.split(",")]
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    want = 2 * max(sizes) * 2**30 if args.prefault_gib is None else args.prefault_gib * 2**30
+    PREFAULT = int(min(want, available // 2)) >> 20 << 20
     os.makedirs(args.work, exist_ok=True)
     # An installed package has its bytecode compiled; an editable one under PYTHONDONTWRITEBYTECODE (as in this
     # project's shell) would compile every module on every run (~0.025 s). Compile once, as pip install does.
     subprocess.run([PY, "-m", "compileall", "-q", os.path.join(ROOT, "ckptshard")], check=True, stdout=subprocess.DEVNULL)
     print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
-          f"python {sys.version.split()[0]}; warm page cache\n")
+          f"python {sys.version.split()[0]}; warm page cache; {PREFAULT / 2**30:.1f} GiB prefaulted before each run\n")
     all_results = {}
-    for size in (float(s) for s in args.sizes.split(",")):
+    for size in sizes:
         all_results[size] = bench_size(args.work, size, args.shards, args.optimizer, not args.no_fairscale, args.repeat)
         print(table(size, all_results[size]) + "\n", flush=True)
     if args.plot:
