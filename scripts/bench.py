@@ -26,7 +26,6 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import statistics
@@ -83,15 +82,22 @@ for rank in range(n):
 
 
 def prefault(nbytes: int) -> None:
-    """Touch and free ``nbytes`` of anonymous memory: the guest owns those pages again (see the module doc)."""
-    if nbytes <= 0:
-        return
-    block = b"\1" * (1 << 20)
-    with mmap.mmap(-1, nbytes) as m:
-        for _ in range(nbytes >> 20):
-            m.write(block)
+    """Touch and free ``nbytes`` of anonymous memory: the guest owns those pages again (see the module doc).
+
+    In a child process: a process's peak RSS (what wait4 reports) is
+    inherited by the children it forks later.
+    """
+    if nbytes > 0:
+        subprocess.run([PY, "-c", PREFAULT_CODE, str(nbytes)], check=True)
 
 
+PREFAULT_CODE = """
+import mmap, sys
+n = int(sys.argv[1])
+with mmap.mmap(-1, n) as m:
+    for _ in range(n >> 20):
+        m.write(bytes(1 << 20))
+"""
 PREFAULT = 0  # bytes; set from --prefault-gib
 
 
