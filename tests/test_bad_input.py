@@ -229,26 +229,29 @@ def test_manifest_and_verify(fixtures, tmp_path):
     assert res.returncode == 2 and "checksum differs" in res.stderr
 
 
-def test_manifest_digests_are_blake3_and_older_sha256_manifests_still_verify(fixtures, tmp_path):
+def test_manifest_digests_are_xxh3_and_older_blake3_and_sha256_manifests_still_verify(fixtures, tmp_path):
     import hashlib
 
     from blake3 import blake3
+    from xxhash import xxh3_128
 
     out = tmp_path / "f.safetensors"
     consolidate(str(fixtures[2] / "fairseq"), str(out), progress=False)
     mpath = tmp_path / "f.safetensors.manifest.json"
     m = json.loads(mpath.read_text())
     data = out.read_bytes()
-    assert m["files"] == {"f.safetensors": {"bytes": len(data), "blake3": blake3(data).hexdigest()}}
-    # A manifest written before BLAKE3 (SHA-256) verifies, and still finds a changed byte.
-    m["files"]["f.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    mpath.write_text(json.dumps(m))
-    assert verify(str(out)) == []
-    out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    assert verify(str(out)) == ["f.safetensors: checksum differs from the manifest (modified or corrupted)"]
+    assert m["files"] == {"f.safetensors": {"bytes": len(data), "xxh3_128": xxh3_128(data).hexdigest()}}
+    # Manifests written before XXH3 (BLAKE3, and SHA-256 before that) verify, and still find a changed byte.
+    for algorithm, digest in [("blake3", blake3), ("sha256", hashlib.sha256)]:
+        out.write_bytes(data)
+        m["files"]["f.safetensors"] = {"bytes": len(data), algorithm: digest(data).hexdigest()}
+        mpath.write_text(json.dumps(m))
+        assert verify(str(out)) == [], algorithm
+        out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        assert verify(str(out)) == ["f.safetensors: checksum differs from the manifest (modified or corrupted)"], algorithm
     m["files"]["f.safetensors"] = {"bytes": len(data), "md5": "0" * 32}
     mpath.write_text(json.dumps(m))
-    assert verify(str(out)) == ["f.safetensors: the manifest gives no checksum ckptshard knows (blake3, sha256)"]
+    assert verify(str(out)) == ["f.safetensors: the manifest gives no checksum ckptshard knows (xxh3_128, blake3, sha256)"]
 
 
 @pytest.mark.parametrize("command", ["consolidate", "reshard"])

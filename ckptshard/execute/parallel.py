@@ -80,7 +80,7 @@ def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
 def writer_threads(files: int) -> int:
     """Threads that write an output of ``files`` files at once: one per core (at most 4), one per file at most.
 
-    The kernel copies (``copy_file_range``) and hashes (BLAKE3) without the
+    The kernel copies (``copy_file_range``) and hashes (XXH3) without the
     GIL, but two threads writing one file queue on its inode lock, so the
     parallelism is across files; each thread has its own hash pass.
     """

@@ -1,10 +1,10 @@
-"""BLAKE3 checksums of outputs while they are being written.
+"""XXH3-128 checksums of outputs while they are being written.
 
 Writers fill every output front to back, one file after another: once bytes
 ``[0, n)`` of a file are final they say so (``advance(n)``), and one thread
 trailing them hashes that span from the page cache, mapped (no copy into
 a buffer of ours) where the filesystem allows. Copying
-(``copy_file_range``, in the kernel) and hashing (``blake3``, which
+(``copy_file_range``, in the kernel) and hashing (``xxhash``, which
 releases the GIL) then overlap instead of the hash re-reading every output
 at the end.
 
@@ -19,10 +19,15 @@ Once a span is hashed the thread also queues its writeback
 (:mod:`.writeback`): the disk writes during the copy instead of all at once
 when the output is closed and fsynced.
 
-BLAKE3 (the ``blake3`` package, the reference implementation's bindings)
-hashes 5.8 GB/s on one core here against 1.65 GB/s for hashlib's SHA-256,
-which was the slowest step of every conversion; ``b3sum`` checks the same
-digests outside ckptshard.
+XXH3-128 (the ``xxhash`` package, bindings of the reference library) is
+the checksum rsync uses by default; ``xxh128sum`` (``xxhsum -H2``) prints the
+same digests outside ckptshard. It hashes 2 GiB from the page cache in
+0.14 s of CPU here, against 0.36 s for BLAKE3 (which ckptshard used before)
+and 1.3 s for hashlib's SHA-256: it runs at memory speed, so it takes less
+of the bandwidth the copy on the other core needs. It is not a
+cryptographic hash, and need not be: the manifest that holds the digests
+lies beside the files, so whoever could forge a file could rewrite its
+manifest too; the digests find corruption and accidental changes.
 
 Memory and open files stay bounded whatever the number of outputs: one
 thread and one mapped buffer per run, and a writer that gets more than
@@ -38,17 +43,21 @@ import struct
 import threading
 from typing import Callable, Deque, Dict, Iterator, Optional, Tuple
 
-import blake3
+import xxhash
 
 from .durability import durable
 from .writeback import start_writeback
 from .zip_crc import crc32
 
-ALGORITHM = "blake3"  # the manifest's key for each file's digest
-new_hash = blake3.blake3
+ALGORITHM = "xxh3_128"  # the manifest's key for each file's digest
+new_hash = xxhash.xxh3_128
 
 BLOCK = 8 << 20
+STEP = 256 << 10  # hash and CRC in turn over this much: 2 GiB of .pt in 0.26 s of CPU, 0.34 s per whole block
 MAX_AHEAD = 4
+
+# Map every page of a window at once rather than a fault at a time: 7% less CPU for the pass here.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 Watermark = Callable[[int], None]  # "bytes [0, n) of the output are final"
 
@@ -90,7 +99,7 @@ class Hashes:
                 self._by_path[key] = f
                 self._queue.append(f)
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="ckptshard blake3", daemon=True)
+                    self._thread = threading.Thread(target=self._run, name="ckptshard hash", daemon=True)
                     self._thread.start()
                 self._cond.notify_all()
             f = self._by_path[key]
@@ -153,7 +162,7 @@ class Hashes:
                 self._by_path[os.path.abspath(new)] = f
 
     def digest(self, path: str) -> Optional[str]:
-        """BLAKE3 of the finished ``path``, or None where it was not watched."""
+        """XXH3-128 of the finished ``path``, or None where it was not watched."""
         key = os.path.abspath(path)
         with self._cond:
             f = self._by_path.get(key)
@@ -227,10 +236,15 @@ def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition,
         if record is not None:  # reads stop at a record's edges: its CRC is written before the bytes after it are read
             stop = min(stop, record[0] if f.done < record[0] else record[1])
         start, stop = f.done, min(stop, f.done + BLOCK)
+        in_record = record is not None and record[0] < stop <= record[1]
         with _span(f, start, stop, view) as data:
-            f.hash.update(data)
-            if record is not None and record[0] < stop <= record[1]:
-                f.crc = crc32(data, f.crc)
+            if not in_record:
+                f.hash.update(data)
+            else:  # both in steps that stay in the core's cache: the CRC reads what the hash just read
+                for at in range(0, len(data), STEP):
+                    with data[at : at + STEP] as step:
+                        f.hash.update(step)
+                        f.crc = crc32(step, f.crc)
         if durable:
             start_writeback(f.fd, start, stop - start)
         f.done = stop
@@ -255,7 +269,7 @@ def _span(f: _File, start: int, stop: int, buf: memoryview) -> Iterator[memoryvi
     if os.fstat(f.fd).st_size >= stop:
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
-            mapped = mmap.mmap(f.fd, stop - base, mmap.MAP_SHARED, mmap.PROT_READ, offset=base)
+            mapped = mmap.mmap(f.fd, stop - base, _MAP_FLAGS, mmap.PROT_READ, offset=base)
         except (OSError, ValueError):  # a filesystem that cannot map: read instead
             mapped = None
     if mapped is None:

@@ -1,7 +1,8 @@
 """Manifests: sizes and checksums of what ckptshard wrote, and their re-check.
 
-Each file gets its size and BLAKE3 digest (``b3sum`` prints the same).
-Manifests from before BLAKE3 carry SHA-256 digests instead; both verify.
+Each file gets its size and XXH3-128 digest (``xxh128sum`` prints the same).
+Manifests of earlier ckptshard versions carry BLAKE3 or SHA-256 digests
+instead; all three verify.
 
 A folder output carries ``ckptshard-manifest.json`` inside it; a file output
 ``OUT.manifest.json`` beside it.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .. import __version__
 from ..errors import CheckpointError
@@ -20,7 +21,14 @@ from .hashing import ALGORITHM, Hashes, new_hash
 MANIFEST = "ckptshard-manifest.json"
 
 
-_DIGESTS = {ALGORITHM: new_hash, "sha256": hashlib.sha256}  # what a manifest may carry, newest first
+def _blake3() -> Any:
+    import blake3  # only to verify older manifests
+
+    return blake3.blake3()
+
+
+# What a manifest may carry, newest first: older ones verify with the algorithm they name.
+_DIGESTS: Dict[str, Callable[[], Any]] = {ALGORITHM: new_hash, "blake3": _blake3, "sha256": hashlib.sha256}
 
 
 def file_digest(path: str, algorithm: str = ALGORITHM) -> str:
