@@ -127,7 +127,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @reshape_options
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
-                   "With 1, one process writes them in one thread per core (at most 4). "
+                   "With 1, one process writes them in one thread per file (at most 4). "
                    "Under torchrun, ranks share the files instead.")
 @common_no_fsync
 @common_overwrite
@@ -157,7 +157,7 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="Write output files in this many local processes. With 1, one process writes them in one thread "
-                   "per core (at most 4). Under torchrun, ranks share the files instead.")
+                   "per file (at most 4). Under torchrun, ranks share the files instead.")
 @click.option("--no-optimizer", is_flag=True,
               help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).")
 @common_no_fsync
@@ -220,7 +220,7 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 @reshape_options
 @click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
               help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
-                   "local processes (same bytes). With 1, one process writes them in one thread per core (at most 4). "
+                   "local processes (same bytes). With 1, one process writes them in one thread per file (at most 4). "
                    "Under torchrun, ranks share the files instead.")
 @common_no_fsync
 @common_overwrite
