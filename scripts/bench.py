@@ -200,22 +200,23 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
     ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
     ap.add_argument("--prefault-gib", type=float, default=None,
-                    help="memory touched and freed before each timed command (default: twice the largest size, "
-                         "at most half the available memory); 0 turns it off")
+                    help="memory touched and freed before each timed command (default: twice the bytes of the "
+                         "size being run, Adam state included; at most half the free memory); 0 turns it off")
     args = ap.parse_args()
     global PREFAULT
     sizes = [float(s) for s in args.sizes.split(",")]
-    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    want = 2 * max(sizes) * 2**30 if args.prefault_gib is None else args.prefault_gib * 2**30
-    PREFAULT = int(min(want, available // 2)) >> 20 << 20
     os.makedirs(args.work, exist_ok=True)
     # An installed package has its bytecode compiled; an editable one under PYTHONDONTWRITEBYTECODE (as in this
     # project's shell) would compile every module on every run (~0.025 s). Compile once, as pip install does.
     subprocess.run([PY, "-m", "compileall", "-q", os.path.join(ROOT, "ckptshard")], check=True, stdout=subprocess.DEVNULL)
     print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
-          f"python {sys.version.split()[0]}; warm page cache; {PREFAULT / 2**30:.1f} GiB prefaulted before each run\n")
+          f"python {sys.version.split()[0]}; warm page cache\n")
     all_results = {}
     for size in sizes:
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        want = 2 * size * (3 if args.optimizer else 1) if args.prefault_gib is None else args.prefault_gib
+        PREFAULT = int(min(want * 2**30, free // 2)) >> 20 << 20
+        print(f"{size:g} GiB: {PREFAULT / 2**30:.1f} GiB prefaulted before each run", flush=True)
         all_results[size] = bench_size(args.work, size, args.shards, args.optimizer, not args.no_fairscale, args.repeat)
         print(table(size, all_results[size]) + "\n", flush=True)
     if args.plot:
