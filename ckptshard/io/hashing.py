@@ -238,12 +238,11 @@ def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition,
         start, stop = f.done, min(stop, f.done + BLOCK)
         in_record = record is not None and record[0] < stop <= record[1]
         with _span(f, start, stop, view) as data:
-            if not in_record:
-                f.hash.update(data)
-            else:  # both in steps that stay in the core's cache: the CRC reads what the hash just read
-                for at in range(0, len(data), STEP):
-                    with data[at : at + STEP] as step:
-                        f.hash.update(step)
+            # In steps that stay in the core's cache: the CRC reads what the hash just read.
+            for at in range(0, len(data), STEP):
+                with data[at : at + STEP] as step:
+                    f.hash.update(step)
+                    if in_record:
                         f.crc = crc32(step, f.crc)
         if durable:
             start_writeback(f.fd, start, stop - start)
