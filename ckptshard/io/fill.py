@@ -2,13 +2,16 @@
 
 A :class:`Fill` is an output tensor described by where its elements come
 from. Same-dtype runs are copied file to file by the kernel
-(``os.copy_file_range``), so memory stays flat whatever the size; runs that
+(``os.copy_file_range``, or ``pwrite`` from a mapped window of the source
+where the two offsets are not page-aligned alike), so memory stays flat
+whatever the size; runs that
 change dtype go through a bounded buffer. Elements no source covers are
 padding and stay zero (outputs are pre-sized, and unwritten bytes of a file
 read as zero).
 """
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK = 64 * 1024 * 1024
+MAPPED_WINDOW = 8 << 20  # 32 MiB windows were no faster
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map a window's pages at once, not a fault at a time
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,8 @@ class Copier:
 
     def _copy(self, src_path: str, src_off: int, out_fd: int, out_off: int, n: int) -> None:
         fd = self._fd(src_path)
+        if (src_off - out_off) % mmap.PAGESIZE and self._copy_mapped(src_path, fd, src_off, out_fd, out_off, n):
+            return
         if self._fast:
             try:
                 while n > 0:
@@ -144,6 +151,36 @@ class Copier:
                 raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
             os.pwrite(out_fd, chunk, out_off)
             src_off, out_off, n = src_off + len(chunk), out_off + len(chunk), n - len(chunk)
+
+    def _copy_mapped(self, src_path: str, fd: int, src_off: int, out_fd: int, out_off: int, n: int) -> bool:
+        """Copy through a mapped window of the source; False where the file cannot be mapped.
+
+        For ranges whose source and output offsets differ modulo a page:
+        ``copy_file_range`` copied 2 GiB at such offsets in 0.66-0.80 s here,
+        against 0.54-0.62 s at equal offsets, and ``pwrite`` from a mapping
+        in 0.65-0.67 s whatever the offsets. The kernel reads the mapping,
+        so a source shorter than expected gives a short write (an error
+        below), never SIGBUS; windows keep memory flat.
+        """
+        if os.fstat(fd).st_size < src_off + n:
+            raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+        while n > 0:
+            base = src_off - src_off % mmap.ALLOCATIONGRANULARITY
+            size = min(n, MAPPED_WINDOW - (src_off - base))
+            try:
+                window = mmap.mmap(fd, src_off - base + size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ,
+                                   offset=base)
+            except (OSError, ValueError):  # a file system that cannot map: copy_file_range or reads instead
+                return False
+            try:
+                with memoryview(window)[src_off - base :] as data:
+                    done = os.pwrite(out_fd, data, out_off)
+            finally:
+                window.close()
+            if done <= 0:
+                raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+            src_off, out_off, n = src_off + done, out_off + done, n - done
+        return True
 
     def _convert(self, out_fd: int, out_offset: int, isz: int, dtype: Any, s: Source) -> None:
         import torch
