@@ -34,7 +34,7 @@ CASES = [(0, 0, 9000), (PAGE, 2 * PAGE, 7000), (12, 0, 9000), (4, 100, 20000), (
 @pytest.fixture(params=["as chosen", "no mapping", "no mapping, no copy_file_range"])
 def way(request, monkeypatch):
     monkeypatch.setattr(fill, "MAPPED_WINDOW", 3 * PAGE + 4)
-    calls = {"mapped": 0, "pwrite": 0}
+    calls = {"mapped": 0}
     real_mapped = Copier._copy_mapped
 
     def spy(self, *a):

@@ -4,10 +4,9 @@ A :class:`Fill` is an output tensor described by where its elements come
 from. Same-dtype runs are copied file to file by the kernel
 (``os.copy_file_range``, or ``pwrite`` from a mapped window of the source
 where the two offsets are not page-aligned alike), so memory stays flat
-whatever the size; runs that
-change dtype go through a bounded buffer. Elements no source covers are
-padding and stay zero (outputs are pre-sized, and unwritten bytes of a file
-read as zero).
+whatever the size; runs that change dtype go through a bounded buffer.
+Elements no source covers are padding and stay zero (outputs are
+pre-sized, and unwritten bytes of a file read as zero).
 """
 from __future__ import annotations
 
@@ -157,8 +156,8 @@ class Copier:
 
         For ranges whose source and output offsets differ modulo a page:
         ``copy_file_range`` copied 2 GiB at such offsets in 0.66-0.80 s here,
-        against 0.54-0.62 s at equal offsets, and ``pwrite`` from a mapping
-        in 0.65-0.67 s whatever the offsets. The kernel reads the mapping,
+        against 0.54-0.62 s at equal offsets; ``pwrite`` from a mapping took
+        0.65-0.67 s at such offsets (0.54-0.66 s at equal ones). The kernel reads the mapping,
         so a source shorter than expected gives a short write (an error
         below), never SIGBUS; windows keep memory flat.
         """
