@@ -87,6 +87,10 @@ def sources_in(fill: Fill, start: int, stop: int, dst_start: int = 0) -> Tuple[S
 Progress = Callable[[int], None]
 
 
+def _truncated(path: str, end: int) -> CheckpointError:
+    return CheckpointError(f"{path}: truncated: data ends before byte {end}")
+
+
 class Copier:
     """Executes Fills; keeps source files open across calls."""
 
@@ -139,7 +143,7 @@ class Copier:
                 while n > 0:
                     done = os.copy_file_range(fd, out_fd, min(n, 1 << 30), src_off, out_off)
                     if done == 0:
-                        raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+                        raise _truncated(src_path, src_off + n)
                     src_off, out_off, n = src_off + done, out_off + done, n - done
                 return
             except OSError:
@@ -147,7 +151,7 @@ class Copier:
         while n > 0:
             chunk = os.pread(fd, min(n, BLOCK), src_off)
             if not chunk:
-                raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+                raise _truncated(src_path, src_off + n)
             os.pwrite(out_fd, chunk, out_off)
             src_off, out_off, n = src_off + len(chunk), out_off + len(chunk), n - len(chunk)
 
@@ -162,7 +166,7 @@ class Copier:
         below), never SIGBUS; windows keep memory flat.
         """
         if os.fstat(fd).st_size < src_off + n:
-            raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+            raise _truncated(src_path, src_off + n)
         while n > 0:
             base = src_off - src_off % mmap.ALLOCATIONGRANULARITY
             size = min(n, MAPPED_WINDOW - (src_off - base))
@@ -177,7 +181,7 @@ class Copier:
             finally:
                 window.close()
             if done <= 0:
-                raise CheckpointError(f"{src_path}: truncated: data ends before byte {src_off + n}")
+                raise _truncated(src_path, src_off + n)
             src_off, out_off, n = src_off + done, out_off + done, n - done
         return True
 
