@@ -102,3 +102,24 @@ def test_a_source_shorter_than_its_index_says_is_an_error(tmp_path, source, src_
             c.fill(fd, out_off, Fill((numel,), F32, (Source(_ref(path, src_off, numel), 0, 0, numel),)))
     finally:
         os.close(fd)
+
+
+def test_a_source_that_cannot_be_mapped_is_not_tried_again(tmp_path, source, monkeypatch):
+    path, data = source
+    tries = []
+
+    def refuse(*a, **k):
+        tries.append(1)
+        raise OSError("this file system cannot map")
+
+    monkeypatch.setattr(fill.mmap, "mmap", refuse)
+    out = tmp_path / "out.bin"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT)
+    try:
+        with Copier() as c:
+            for at in (4, 4 + 4000):  # two runs at offsets unequal modulo a page
+                c.fill(fd, at, Fill((1000,), F32, (Source(_ref(path, 12 + at, 1000), 0, 0, 1000),)))
+    finally:
+        os.close(fd)
+    assert out.read_bytes()[4 : 4 + 8000] == data[16 : 16 + 8000]
+    assert len(tries) == 1

@@ -97,6 +97,7 @@ class Copier:
     def __init__(self, use_copy_file_range: bool = True) -> None:
         self._fds: Dict[str, int] = {}
         self._fast = use_copy_file_range and hasattr(os, "copy_file_range")
+        self._mappable = True  # until a source cannot be mapped: then the other ways, from there on
 
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -136,8 +137,10 @@ class Copier:
 
     def _copy(self, src_path: str, src_off: int, out_fd: int, out_off: int, n: int) -> None:
         fd = self._fd(src_path)
-        if (src_off - out_off) % mmap.PAGESIZE and self._copy_mapped(src_path, fd, src_off, out_fd, out_off, n):
-            return
+        if self._mappable and (src_off - out_off) % mmap.PAGESIZE:
+            if self._copy_mapped(src_path, fd, src_off, out_fd, out_off, n):
+                return
+            self._mappable = False
         if self._fast:
             try:
                 while n > 0:
@@ -161,9 +164,9 @@ class Copier:
         For ranges whose source and output offsets differ modulo a page:
         ``copy_file_range`` copied 2 GiB at such offsets in 0.66-0.80 s here,
         against 0.54-0.62 s at equal offsets; ``pwrite`` from a mapping took
-        0.65-0.67 s at such offsets (0.54-0.66 s at equal ones). The kernel reads the mapping,
-        so a source shorter than expected gives a short write (an error
-        below), never SIGBUS; windows keep memory flat.
+        0.65-0.67 s at such offsets (0.54-0.66 s at equal ones). The kernel
+        reads the mapping, so a source shorter than expected gives a short
+        write (an error below), never SIGBUS; windows keep memory flat.
         """
         if os.fstat(fd).st_size < src_off + n:
             raise _truncated(src_path, src_off + n)
