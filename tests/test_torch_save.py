@@ -14,6 +14,7 @@ from ckptshard.io.fill import Fill
 from ckptshard.io.pickle_reader import Unsupported
 from ckptshard.io.torch_save import ALIGN, write_skeleton
 from ckptshard.io.tree import leaves
+from ckptshard.io.zip_crc import deferred_crcs
 from conftest import src_of
 
 
@@ -75,8 +76,11 @@ def test_layout_matches_torch_save(tmp_path):
     a, b = Fill((2, 3), f32, ()), Fill((0,), i64, ())
     tree = {"w": a, "tied": a, "empty": b, "meta": {"shapes": [Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1,
                                                    "s": "é", "b": b"\x00\xff", "none": None, "t": (1, True)}}
-    offsets = write_skeleton(str(tmp_path / "ours.pt"), tree)
+    skeleton = write_skeleton(str(tmp_path / "ours.pt"), tree)
+    offsets = skeleton.offsets
     assert all(off % ALIGN == 0 for off in offsets.values()) and len(offsets) == 2
+    # Where the writer says each CRC goes is where a zip reader finds it (non-empty tensors only).
+    assert skeleton.crcs == deferred_crcs(str(tmp_path / "ours.pt"), [offsets[id(a)]])
     torch.save({"w": torch.zeros(2, 3), "empty": torch.zeros(0, dtype=torch.int64),
                 "meta": {"shapes": [torch.Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1, "s": "é", "b": b"\x00\xff",
                          "none": None, "t": (1, True)}}, tmp_path / "theirs.pt")
@@ -98,7 +102,9 @@ def test_files_past_4_gib_are_zip64_and_load_in_torch(tmp_path):
     big = Fill((9 * 2**27,), StoredDType("float32"), ())
     small = Fill((10,), StoredDType("int64"), ())
     path = tmp_path / "x.pt"
-    offsets = write_skeleton(str(path), {"a": small, "big": big, "n": 3})
+    skeleton = write_skeleton(str(path), {"a": small, "big": big, "n": 3})
+    offsets = skeleton.offsets
+    assert skeleton.crcs == deferred_crcs(str(path), sorted(offsets.values()))
     assert os.path.getsize(path) > 4 * 2**30 and offsets[id(big)] > 0 and offsets[id(small)] < 2**32
     got = torch.load(path, weights_only=True, mmap=True)
     assert got["big"].shape == (9 * 2**27,) and got["big"].dtype == torch.float32 and got["n"] == 3

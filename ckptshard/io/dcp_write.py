@@ -6,7 +6,7 @@ non-tensor value), and ``.metadata``, a pickled ``Metadata`` that names each
 chunk's box and byte range. ``torch.distributed.checkpoint.load`` and
 ``format_utils.dcp_to_torch_save`` read what is written here.
 
-Each chunk's frame is laid out by :func:`.torch_save.write_zip` with the
+Each chunk's frame is laid out by :func:`.torch_save.lay_out_zip` with the
 tensor's bytes left as a hole, and the bytes are copied into the hole from
 the source files. ``.metadata`` is the pickle of DCP's own dataclasses,
 written by name (:mod:`.dcp_metadata`). Importing torch took longer than
@@ -29,7 +29,7 @@ from .dcp_metadata import metadata_pickle
 from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .pickle_reader import Unsupported
-from .torch_save import write_zip
+from .torch_save import lay_out_zip, write_zip
 from .zip_crc import crc_of
 
 METADATA = ".metadata"
@@ -38,45 +38,6 @@ DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was wr
 
 def is_dcp(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
-
-
-class _FrameRecorder(io.RawIOBase):
-    """A seekable sink that keeps what is written, as (position, bytes) runs.
-
-    The zip writer seeks over the tensor's bytes, which stay out of the runs:
-    the frame's data offset comes from the writer, and the bytes from the
-    sources.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pos = self.end = 0
-        self.runs: List[Tuple[int, bytearray]] = []
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = bytes(memoryview(b))
-        if self.runs and self.runs[-1][0] + len(self.runs[-1][1]) == self.pos:
-            self.runs[-1][1].extend(data)  # coalesce: a frame is a few pwrites, not dozens
-        else:
-            self.runs.append((self.pos, bytearray(data)))
-        self.pos += len(data)
-        self.end = max(self.end, self.pos)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        new = offset if whence == io.SEEK_SET else self.pos + offset if whence == io.SEEK_CUR else self.end + offset
-        self.pos = new
-        self.end = max(self.end, new)
-        return new
-
-    def tell(self) -> int:
-        return self.pos
 
 
 @functools.lru_cache(maxsize=4096)
@@ -88,12 +49,11 @@ def tensor_frame(sizes: Tuple[int, ...], dtype_id: str
     The frame depends on shape and dtype alone, so chunks of one shape share
     it; the CRC is written per chunk, once its data is in.
     """
-    rec = _FrameRecorder()
     fill = Fill(tuple(sizes), StoredDType(dtype_id), ())
-    skeleton = write_zip(rec, fill)
-    runs = tuple((at, bytes(b)) for at, b in rec.runs)
+    skeleton = lay_out_zip(fill)
+    runs = tuple((at, bytes(b)) for at, b in skeleton.runs)
     crc_at = skeleton.crcs[0][2] if skeleton.crcs else ()
-    return runs, skeleton.offsets[id(fill)], rec.end, crc_at
+    return runs, skeleton.offsets[id(fill)], skeleton.end, crc_at
 
 
 def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress],

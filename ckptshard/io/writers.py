@@ -87,23 +87,27 @@ def write_torch(
     """
     fills = _fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
+    deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
     if all(isinstance(f.dtype, StoredDType) for f in fills):  # read without torch: write without it too
         try:
-            offsets = write_skeleton(path, tree)
-            targets = {id(f): (offsets[id(f)], f) for f in fills}
+            skeleton = write_skeleton(path, tree)
+            targets = {id(f): (skeleton.offsets[id(f)], f) for f in fills}
+            deferred = skeleton.crcs
         except Unsupported:
             targets = None
     if targets is None:
         targets = _torch_skeleton(path, tree, trust_pickles)
     order = sorted(targets.values(), key=lambda t: t[0])
+    if hashes is not None and deferred is None:  # torch laid it out: read its zip to learn where the CRCs go
+        deferred = deferred_crcs(path, [o for o, f in order if f.nbytes])
     watch = hashes.watch(path) if hashes else None
-    deferred = deferred_crcs(path, [o for o, f in order if f.nbytes]) if hashes else None
-    if hashes and deferred is not None:  # the hash pass computes and writes the CRCs (one read for both)
+    by_hash_pass = hashes is not None and deferred is not None
+    if hashes is not None and deferred is not None:  # the hash pass computes and writes the CRCs (one read)
         for start, size, where in deferred:
             hashes.patch_crc(path, start, size, where)
     fd = os.open(path, os.O_RDWR)
     try:
-        crcs = CrcFixer(path, fd) if deferred is None else None
+        crcs = None if by_hash_pass else CrcFixer(path, fd)
         for offset, fill in order:
             if watch:
                 watch(offset)
