@@ -265,15 +265,16 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     calls = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
-    real_wb = writeback._sync_file_range
+    real_wb = writeback._bind()
     if real_wb is not None:
-        monkeypatch.setattr(writeback, "_sync_file_range", lambda *a: (calls.append("writeback"), real_wb(*a))[1])
+        monkeypatch.setattr(writeback, "_bind", lambda: lambda *a: (calls.append("writeback"), real_wb(*a))[1])
     monkeypatch.setenv(ENV, "")  # durable; the CLI flag sets it in os.environ, and teardown removes it again
     src = str(fixtures[2] / "fairseq")
     args = {"consolidate": ["consolidate", src, "-o"], "reshard": ["reshard", src, "-n", "3", "-o"]}[command]
     durable = CliRunner().invoke(main, args + [str(tmp_path / "a.pt"), "-q"])
     assert durable.exit_code == 0, durable.output
     assert "fsync" in calls  # the default: fsynced before the rename
+    assert real_wb is None or "writeback" in calls  # and written back early, behind the hash pass
     calls.clear()
     fast = CliRunner().invoke(main, args + [str(tmp_path / "b.pt"), "-q", "--no-fsync"])
     assert fast.exit_code == 0, fast.output

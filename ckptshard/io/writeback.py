@@ -9,16 +9,20 @@ the fsync stays. Linux only; elsewhere this is a no-op.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import sys
 from typing import Any, Optional
 
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in the range, do not wait
 
 
+@functools.lru_cache(maxsize=None)
 def _bind() -> Optional[Any]:
+    """libc's sync_file_range, bound on first use: ctypes costs 2 ms to import, and --no-fsync runs never need it."""
     if not sys.platform.startswith("linux"):
         return None
+    import ctypes
+
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -28,15 +32,13 @@ def _bind() -> Optional[Any]:
     return fn
 
 
-_sync_file_range = _bind()
-
-
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     """Queue the dirty pages of ``[offset, offset + nbytes)`` of ``fd`` for writing; True if the kernel took it.
 
     Never raises: an fd that does not support it (a pipe, some filesystems)
     simply gets its data written by the final fsync.
     """
-    if _sync_file_range is None or nbytes <= 0:
+    fn = _bind() if nbytes > 0 else None
+    if fn is None:
         return False
-    return _sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
+    return fn(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) == 0
