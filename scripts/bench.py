@@ -4,10 +4,15 @@ Makes a synthetic fairscale checkpoint (fairseq container, fp32, default
 2 GiB in 8 shards, 24 FSDP instances), then runs each command in its own
 process, side by side in one run, and reports wall time, the ratio to
 ``cp -r`` of the shard folder, and the process's peak RSS (from wait4).
-Warm page cache for every command alike (the first cp warms it); before
-every timed command the page cache's dirty pages are written back (``sync``,
-not timed), and commands run round-robin ``--repeat`` times: the median is
-reported (the fastest run of each is reported too).
+Warm page cache for every command alike: right before each timed command
+its input folder is read through (not timed). This VM pages out file pages
+left unread for about a minute (a DAMON ``pageout`` scheme, kdamond): a
+2 GiB folder read 50 s earlier was 40% evicted, so an input that only some
+commands read (the 3-shard folder of the 3->8 rows) was read partly from
+disk while ``cp -r``'s was not. Before every timed command the page cache's
+dirty pages are also written back (``sync``, not timed), and commands run
+round-robin ``--repeat`` times: the median is reported (the fastest run of
+each is reported too).
 Right before each timed command the harness also touches, then frees,
 ``--prefault-gib`` of memory (not timed): this VM hands the pages that a
 deleted output freed back to its host (virtio-balloon free page reporting)
@@ -32,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -101,10 +106,22 @@ with mmap.mmap(-1, n) as m:
 PREFAULT = 0  # bytes; set from --prefault-gib
 
 
-def run(cmd: List[str]) -> Tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one command."""
+def warm(folder: Optional[str]) -> None:
+    """Read every file of ``folder`` through the page cache (see the module doc: it may have been paged out)."""
+    if not folder:
+        return
+    buf = bytearray(8 << 20)
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def run(cmd: List[str], reads: Optional[str] = None) -> Tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one command, which reads the folder ``reads``."""
     os.sync()
     prefault(PREFAULT)
+    warm(reads)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=ROOT)
     _, status, usage = os.wait4(p.pid, 0)
@@ -172,7 +189,8 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
     for _ in range(repeat):
         for name, cmd in cases:
-            samples[name].append(run(cmd))
+            reads = None if "floor" in name else three if three in cmd else src
+            samples[name].append(run(cmd, reads))
             _clean(out)
     shutil.rmtree(three)
     return {name: (statistics.median(w for w, _ in v), max(r for _, r in v), min(w for w, _ in v))
@@ -196,7 +214,7 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--optimizer", action="store_true", help="include Adam state (3x the bytes)")
     ap.add_argument("--no-fairscale", action="store_true", help="skip the fairscale/metaseq baselines")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per command; the median wall time is reported")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per command; the median wall time is reported")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
     ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
     ap.add_argument("--prefault-gib", type=float, default=None,
