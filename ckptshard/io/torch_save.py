@@ -141,8 +141,9 @@ def write_skeleton(path: str, tree: Any) -> Skeleton:
     skeleton = lay_out_zip(tree)
     fd = open_empty(path)
     try:
-        for at, data in skeleton.runs:  # one write per run: a seek and a write per zip field cost ~10 ms
-            os.pwrite(fd, data, at)     # a file beside busy copy threads
+        # One write per run: a seek and a write per zip field cost ~10 ms a file beside busy copy threads.
+        for at, data in skeleton.runs:
+            os.pwrite(fd, data, at)
     finally:
         os.close(fd)
     return skeleton

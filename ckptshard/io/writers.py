@@ -101,13 +101,14 @@ def write_torch(
     if hashes is not None and deferred is None:  # torch laid it out: read its zip to learn where the CRCs go
         deferred = deferred_crcs(path, [o for o, f in order if f.nbytes])
     watch = hashes.watch(path) if hashes else None
-    by_hash_pass = hashes is not None and deferred is not None
     if hashes is not None and deferred is not None:  # the hash pass computes and writes the CRCs (one read)
         for start, size, where in deferred:
             hashes.patch_crc(path, start, size, where)
+    else:
+        deferred = None  # no hash pass, or CRCs before their data: set after each record is filled
     fd = os.open(path, os.O_RDWR)
     try:
-        crcs = None if by_hash_pass else CrcFixer(path, fd)
+        crcs = CrcFixer(path, fd) if deferred is None else None
         for offset, fill in order:
             if watch:
                 watch(offset)
