@@ -140,3 +140,33 @@ def test_zip64_layout_of_small_files_reads_back_everywhere(fixtures, tmp_path, m
         for (path, g), (_, w) in zip(got_leaves, want_leaves):
             assert (torch.equal(g, w) and g.dtype == w.dtype) if isinstance(w, torch.Tensor) else g == w, (z64, path)
         assert [p for p, _ in leaves(read_torch_zip(str(z64)))] == [p for p, _ in want_leaves]
+
+
+@pytest.mark.parametrize("hashed", [True, False])
+def test_write_torch_sets_every_crc_with_or_without_a_hash_pass(tmp_path, hashed):
+    """The hash pass writes the CRCs where the layout says; without one, the writer sets them itself."""
+    from ckptshard.io.fill import Copier, Source
+    from ckptshard.io.hashing import Hashes
+    from ckptshard.io.safe_load import TensorRef
+    from ckptshard.io.writers import write_torch
+
+    f32 = StoredDType("float32")
+    values = torch.arange(3000, dtype=torch.float32)
+    src = tmp_path / "src.bin"
+    src.write_bytes(values.numpy().tobytes())
+
+    def fill(start, numel):  # elements [start, start + numel) of the source, at an offset 4 bytes off any page
+        return Fill((numel,), f32, (Source(TensorRef(str(src), 4, f32, (2999,), (1,)), start, 0, numel),))
+
+    a, b = fill(0, 1000), fill(1000, 1999)
+    tree = {"a": a, "b": b, "tied": a, "empty": Fill((0,), f32, ()), "n": 3}
+    out = str(tmp_path / "out.pt")
+    with Copier() as copier, Hashes() as hashes:
+        write_torch(out, tree, copier, None, False, hashes if hashed else None)
+        if hashed:
+            hashes.settled(out)
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None  # every CRC right, in the descriptors and the central directory
+    got = torch.load(out, weights_only=True)
+    assert torch.equal(got["a"], values[1:1001]) and torch.equal(got["b"], values[1001:3000])
+    assert got["tied"] is got["a"] and got["n"] == 3 and got["empty"].numel() == 0
