@@ -167,6 +167,9 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("ckptshard consolidate -> .safetensors --no-fsync", ck + ["consolidate", src, "-o", out + ".safetensors", "-q", "--no-fsync"]),
         ("ckptshard consolidate -> .pt --no-fsync", ck + ["consolidate", src, "-o", out + ".pt", "-q", "--no-fsync"]),
         (f"ckptshard reshard {shards}->3 --no-fsync", ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
+        # The same in 2 processes: no mapping lock or GIL shared by every file's threads (many small pieces).
+        (f"ckptshard reshard {shards}->3 --no-fsync --jobs 2",
+         ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync", "--jobs", "2"]),
         ("ckptshard convert --to dcp", ck + ["convert", src, "--to", "dcp", "-o", out, "-q"]),
         # Scale-out: a folder of 256 MiB safetensors files, by one process and by two.
         ("ckptshard consolidate -> 256MiB-file folder", ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "-q"]),
@@ -183,6 +186,8 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     run(ck + ["reshard", src, "-n", "3", "-o", three, "-q"])
     cases.append((f"ckptshard reshard 3->{shards}", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q"]))
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
+    cases.append((f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
+                  ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"]))
     run(["cp", "-r", src, out])  # warm the page cache
     _clean(out)
     samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
