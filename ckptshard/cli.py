@@ -63,6 +63,10 @@ def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
         os.environ[DURABILITY_ENV] = "1"
 
 
+# --jobs 0: chosen from the plan (execute/parallel.py: auto_processes).
+AUTO_JOBS = ("0 (the default) chooses: several processes where there are at least two files per core, 1 GiB "
+             "in all, copied in runs under 4 MiB on average (optimizer state, many FSDP instances), else 1. ")
+
 common_no_fsync = click.option(
     "--no-fsync", is_flag=True, expose_value=False, callback=_no_fsync,
     help="Do not fsync outputs (as cp does): faster, and still renamed into place only when complete, "
@@ -125,9 +129,9 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Cast floating-point tensors (integers such as num_batches_tracked are kept).")
 @reshape_options
-@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
+@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
               help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
-                   "With 1, one process writes them in one thread per file (at most 4). "
+                   "With 1, one process writes them in one thread per file (at most 4). " + AUTO_JOBS +
                    "Under torchrun, ranks share the files instead.")
 @common_no_fsync
 @common_overwrite
@@ -155,10 +159,9 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
-@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
-              help="Write output files in this many local processes. With 1, one process writes them in one thread "
-                   "per file (at most 4). 2 is faster even on 2 cores when files hold many small tensors "
-                   "(optimizer state). Under torchrun, ranks share the files instead.")
+@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
+              help="Write output files in this many local processes (same bytes). With 1, one process writes them in "
+                   "one thread per file (at most 4). " + AUTO_JOBS + "Under torchrun, ranks share the files instead.")
 @click.option("--no-optimizer", is_flag=True,
               help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).")
 @common_no_fsync
@@ -219,10 +222,10 @@ def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, o
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).")
 @reshape_options
-@click.option("--jobs", "-j", default=1, show_default=True, type=click.IntRange(1, 256),
+@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
               help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
                    "local processes (same bytes). With 1, one process writes them in one thread per file (at most 4). "
-                   "Under torchrun, ranks share the files instead.")
+                   + AUTO_JOBS + "Under torchrun, ranks share the files instead.")
 @common_no_fsync
 @common_overwrite
 @common_trust

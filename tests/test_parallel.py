@@ -238,3 +238,45 @@ def test_a_failing_writer_thread_fails_the_command_and_leaves_no_output(fixtures
         reshard(str(fixtures[3] / "vissl"), str(tmp_path / "re"), 5, progress=False)
     assert list(tmp_path.iterdir()) == []  # no output, no temporary
     assert len(started) == 2  # shards 2-4, not yet started when shard1 failed, were never begun
+
+
+@pytest.mark.parametrize("files, pieces, nbytes, cores, want", [
+    (8, 912, 3 << 30, 2, 2),  # Adam state, reshard 3->8: runs of 3.4 MiB (1.20 s in threads, 0.89 s in 2 processes)
+    (8, 930, 2 << 30, 2, 2),  # 92 FSDP instances, reshard 3->8: runs of 2.2 MiB (1.00 s, 0.66 s)
+    (8, 240, 2 << 30, 2, 1),  # weights, 24 instances: runs of 8.5 MiB (0.61 s, 0.59 s: not worth two interpreters)
+    (12, 216, 2 << 30, 2, 1),  # a consolidated folder of 256 MiB files: runs of 9.5 MiB (0.51 s, 0.55 s)
+    (3, 1100, 3 << 30, 2, 1),  # 3 files for 2 processes: one writes two while the other idles (0.56 s, 0.63 s)
+    (8, 912, 3 << 30, 1, 1),  # one core: nothing to share
+    (8, 912, 32 << 20, 2, 1),  # small: starting the workers (about 0.06 s) costs more than it saves
+    (64, 9000, 8 << 30, 16, 16),  # many cores, enough files: one process per core
+    (8, 9000, 8 << 30, 16, 1),  # many cores, too few files to give each process two
+])
+def test_auto_processes_follows_the_measured_cases(files, pieces, nbytes, cores, want):
+    from ckptshard.execute.parallel import auto_processes
+
+    assert auto_processes(files, pieces, nbytes, cores) == want
+
+
+def test_default_jobs_chooses_from_the_plan_and_gives_the_same_bytes(fixtures, tmp_path, monkeypatch):
+    """--jobs 0 (the CLI's default) asks auto_processes with the plan's files, runs and bytes, and does what it says."""
+    import ckptshard.execute.parallel as parallel
+    from ckptshard.cli import main
+
+    asked = []
+
+    def choose(files, pieces, nbytes, cores):
+        asked.append((files, pieces, nbytes))
+        return 2
+
+    monkeypatch.setattr(parallel, "auto_processes", choose)
+    src = str(fixtures[3] / "vissl" / "model_phase2.torch")
+    with pytest.raises(SystemExit) as done:
+        main(["reshard", src, "-n", "5", "-o", str(tmp_path / "auto"), "-q"], prog_name="ckptshard")
+    assert done.value.code == 0
+    (files, pieces, nbytes), = asked
+    assert files == 5 and pieces >= files and nbytes > 0
+    reshard(src, str(tmp_path / "one"), 5, progress=False, jobs=1)
+    assert len(same_files(tmp_path / "one", tmp_path / "auto")) == 7
+    monkeypatch.setattr(parallel, "map_in_processes", lambda *a, **k: pytest.fail("processes with --jobs 1"))
+    reshard(src, str(tmp_path / "threads"), 5, progress=False, jobs=1)  # an explicit 1 is never overridden
+    assert asked == [(files, pieces, nbytes)]

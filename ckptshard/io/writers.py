@@ -68,6 +68,11 @@ def tree_nbytes(tree: Any) -> int:
     return sum(f.nbytes for f in _fills_in(tree))
 
 
+def tree_pieces(tree: Any) -> int:
+    """How many source runs the tensors of ``tree`` are copied from (each a mapping and a copy of its own)."""
+    return sum(len(f.sources) for f in _fills_in(tree))
+
+
 def write_torch(
     path: str,
     tree: Any,
