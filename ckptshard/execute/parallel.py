@@ -175,7 +175,7 @@ def write_safetensors_files(jobs: Sequence[Job], processes: int, metadata: Optio
     """Write every ({name: Fill}, path) job as a safetensors file (see :func:`map_jobs`); digests by name."""
     return by_name(map_jobs(_write_one_safetensors, jobs, processes, tick,
                             lambda job: sum(f.nbytes for f in job[0].values()), metadata,
-                            pieces=lambda job: sum(len(f.sources) for f in job[0].values())))
+                            pieces=lambda job: tree_pieces(job[0])))
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:
