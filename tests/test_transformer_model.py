@@ -23,7 +23,7 @@ from test_reshard import assert_optim_equal, assert_tensors_equal
 
 SOURCE_WS = 3
 TARGETS = (2, 5)
-VARIANTS = ("flat", "unflat", "groups")
+VARIANTS = ("flat", "unflat", "groups", "ckptwrap")
 SHARD = "checkpoint_last-shard{}.pt"
 
 
@@ -80,6 +80,14 @@ def test_fixture_has_what_it_claims(lm):
     grouped = shard_file(lm["src_root"] / "groups" / "src", 0)
     assert [g["params"] for g in grouped["last_optimizer_state"]["param_groups"]] == [[0, 1], [2, 3, 4]]
     assert grouped["last_optimizer_state"]["state"][0]["exp_avg"].numel() != grouped["model"]["flat_param_0"].numel()
+    # ckptwrap: the metadata names torch's checkpoint wrapper (an FSDP path, parameters, buffers); no stored key does.
+    wrapped = shard_file(lm["src_root"] / "ckptwrap" / "src", 0)
+    md = wrapped["fsdp_metadata"]
+    hidden = "_checkpoint_wrapped_module"
+    assert any(e["fsdp_path"].endswith(hidden) for e in md["param_metadata"])
+    assert any(n.startswith(hidden) for e in md["param_metadata"] for p in e["params"].values() for n in p["names"])
+    assert any(hidden in b for b in md["buffer_names"])
+    assert not any(hidden in k for k in wrapped["model"]) and not any(hidden in k for k in ref(lm, "ckptwrap")["full"])
 
 
 @pytest.mark.parametrize("v", VARIANTS)
@@ -220,6 +228,10 @@ def test_load_checkpoint_into_the_unwrapped_model(lm, v):
     for src in (lm["src_root"] / v / "src", lm["work"] / v / "full.pt"):
         torch.manual_seed(7)
         plain = transformer.TinyLM()
+        if v == "ckptwrap":  # the user's model keeps its checkpoint wrappers, not FSDP
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            plain.layers[0] = checkpoint_wrapper(plain.layers[0])
+            plain.norm = checkpoint_wrapper(plain.norm)
         report = load_checkpoint(plain, str(src))
         assert report.path == "full" and not report.skipped
         assert_tensors_equal(dict(sorted(plain.state_dict().items())), want, str(src))

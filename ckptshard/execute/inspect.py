@@ -9,6 +9,7 @@ from ..dtypes import dtype_name as _dtype
 from ..io.containers import container_summary
 from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..layout.chunking import padding
+from ..layout.model import state_dict_name
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -55,7 +56,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             "instances": instances,
             "buffers": buffers,
             "extra_tensors": [part.prefix + k for k in ckpt.extra_keys(pi)],
-            "non_persistent_buffers": [part.prefix + b for b in part.unstored_buffers],
+            "non_persistent_buffers": [part.prefix + state_dict_name(b) for b in part.unstored_buffers],
         })
     osd = ckpt.optimizer_state(0)
     optim = None

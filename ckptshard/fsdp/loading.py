@@ -22,7 +22,7 @@ from ..io.fill import materialize
 from ..io.full_state import full_state_refs
 from ..io.safe_load import load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
-from ..layout.model import ShardedLayout, join, part_from_metadata
+from ..layout.model import ShardedLayout, join, part_from_metadata, state_dict_name
 from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer, resharded_optimizer
 from ..plan.reshard import resharded_state
@@ -46,13 +46,11 @@ def _is_fsdp(m: nn.Module) -> bool:
     return isinstance(m, FSDP)
 
 
-def _clean(name: str) -> str:
-    # fairscale's wrapper modules, as its own _clean_path drops them
-    return ".".join(p for p in name.split(".") if p not in ("_fsdp_wrapped_module", "_fpw_module"))
-
-
 def top_level_fsdp(model: nn.Module) -> List[Tuple[str, Any]]:
-    """FSDP modules not inside another FSDP module, with their prefixes (``""``: the model itself)."""
+    """FSDP modules not inside another FSDP module, with their module names (``""``: the model itself).
+
+    A module name may hold a wrapper that state dicts leave out (``state_dict_name`` gives the key prefix).
+    """
     out: List[Tuple[str, Any]] = []
     for name, m in model.named_modules():
         if _is_fsdp(m) and not any(p == "" or name.startswith(p + ".") for p, _ in out):
@@ -61,7 +59,7 @@ def top_level_fsdp(model: nn.Module) -> List[Tuple[str, Any]]:
 
 
 def _non_persistent(m: nn.Module) -> set:
-    return {_clean(join(name, b)) for name, mod in m.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())}
+    return {state_dict_name(join(name, b)) for name, mod in m.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())}
 
 
 def _fsdp_logical_keys(m: Any) -> List[str]:
@@ -70,14 +68,14 @@ def _fsdp_logical_keys(m: Any) -> List[str]:
     keys, flat = [], set()
     for inst in md["param_metadata"]:
         for key, info in inst["params"].items():
-            keys += [join(inst["fsdp_path"], n) for n in info["names"]]
-            flat.add(join(inst["fsdp_path"], key))
-        keys += [join(inst["fsdp_path"], dst) for _, dst in inst["shared_param_info"]]
+            keys += [state_dict_name(join(inst["fsdp_path"], n)) for n in info["names"]]
+            flat.add(state_dict_name(join(inst["fsdp_path"], key)))
+        keys += [state_dict_name(join(inst["fsdp_path"], dst)) for _, dst in inst["shared_param_info"]]
     # A tie inside an unflattened instance: one Parameter under two names, in no metadata.
     known = set(keys) | flat
-    keys += [n for n in (_clean(n) for n, _ in m.named_parameters(remove_duplicate=False)) if n not in known]
+    keys += [n for n in (state_dict_name(n) for n, _ in m.named_parameters(remove_duplicate=False)) if n not in known]
     skip = _non_persistent(m)
-    return keys + [b for b in md["buffer_names"] if b not in skip]
+    return keys + [b for b in map(state_dict_name, md["buffer_names"]) if b not in skip]
 
 
 def _plain_tensors(model: nn.Module, inside: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -88,17 +86,17 @@ def _plain_tensors(model: nn.Module, inside: Sequence[str]) -> Dict[str, torch.T
             continue
         for n, p in m._parameters.items():
             if p is not None:
-                out[join(mname, n)] = p
+                out[state_dict_name(join(mname, n))] = p
         for n, b in m._buffers.items():
             if b is not None and n not in getattr(m, "_non_persistent_buffers_set", set()):
-                out[join(mname, n)] = b
+                out[state_dict_name(join(mname, n))] = b
     return out
 
 
 def expected_keys(model: nn.Module) -> List[str]:
     """The logical state-dict names of ``model``, whatever is wrapped."""
     tops = top_level_fsdp(model)
-    keys = [join(p, k) for p, m in tops for k in _fsdp_logical_keys(m)]
+    keys = [join(state_dict_name(p), k) for p, m in tops for k in _fsdp_logical_keys(m)]
     return keys + list(_plain_tensors(model, [p for p, _ in tops]))
 
 
@@ -122,7 +120,8 @@ def load_full_state(model: nn.Module, full: Mapping[str, torch.Tensor], only: Se
         raise CheckpointError("checkpoint does not fit the model: " + "; ".join(parts) +
                               (" (pass only=[...] to load part of it)" if not only else ""))
     report = LoadReport(path="full", loaded=sorted(want), skipped=sorted(set(full) - want))
-    for prefix, m in tops:
+    for name, m in tops:
+        prefix = state_dict_name(name)
         sub = {k[len(prefix) + 1:] if prefix else k: v for k, v in full.items() if k == prefix or k.startswith(prefix + ".") or not prefix}
         if not any(_selected(join(prefix, k), only) for k in sub):
             continue
@@ -132,7 +131,7 @@ def load_full_state(model: nn.Module, full: Mapping[str, torch.Tensor], only: Se
             m.load_state_dict(chosen, strict=True)
         else:  # part of this FSDP module: the rest keeps its values
             res = m.load_state_dict(chosen, strict=False)
-            left = {_clean(k) for k in res.missing_keys}
+            left = {state_dict_name(k) for k in res.missing_keys}
             if set(res.unexpected_keys) or left - {k for k in own if k not in chosen}:
                 raise CheckpointError(f"{prefix or 'model'}: partial load went wrong: {sorted(left)[:8]}")
     with torch.no_grad():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
+from ..layout.model import join, state_dict_name
 from .safe_load import TensorRef
 from .tree import Path, get_path, has_path
 
@@ -118,8 +119,7 @@ def _local_keys(meta: Mapping[str, Any]) -> Set[str]:
     keys: Set[str] = set()
     for entry in meta.get("param_metadata") or []:
         if isinstance(entry, Mapping) and isinstance(entry.get("params"), Mapping):
-            base = entry.get("fsdp_path") or ""
-            keys.update(f"{base}.{k}" if base else str(k) for k in entry["params"])
+            keys.update(state_dict_name(join(str(entry.get("fsdp_path") or ""), str(k))) for k in entry["params"])
     return keys
 
 
@@ -149,7 +149,7 @@ def _generic(obj: Mapping[str, Any], where: str) -> Optional[Container]:
     tensor_dicts = [(p, n) for p, n in nodes if n and all(isinstance(v, TensorRef) for v in n.values())]
     parts: List[Tuple[Path, Path]] = []
     for mpath, meta in metas:
-        buffers = {str(b) for b in meta.get("buffer_names") or []}
+        buffers = {state_dict_name(str(b)) for b in meta.get("buffer_names") or []}
         want = _local_keys(meta) or buffers
         if not want:
             raise CheckpointError(f"{where}: FSDP metadata at {_dotted(mpath)} lists no parameters or buffers")

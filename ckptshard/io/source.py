@@ -42,7 +42,7 @@ class ShardedCheckpoint:
     def extra_keys(self, part_index: int) -> List[str]:
         """Stored tensors that are neither flat params, their aliases nor buffers: carried as is."""
         part = self.layout.parts[part_index]
-        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers) | {a for a, _ in part.aliases}
+        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffer_keys) | {a for a, _ in part.aliases}
         return [k for k in self.local_state(0, part_index) if k not in known]
 
 
@@ -143,7 +143,7 @@ def _aliases(part: Part, sds: List[Mapping[str, TensorRef]]) -> Tuple[Tuple[str,
     torch.save keeps it one storage. Its metadata names only the first.
     """
     unflat = [inst.local_key(fp) for inst, fp in part.flat_params() if not fp.flattened]
-    known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffers)
+    known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffer_keys)
     out = []
     for key in sds[0]:
         if key not in known:
@@ -161,7 +161,7 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
     part = layout_from_metadata(spec.label, spec.prefix, metas, numels, dtypes)
     # local_metadata_dict() lists every named buffer, state_dict() only the
     # persistent ones: a listed buffer no rank stored is non-persistent.
-    part = dataclasses.replace(part, unstored_buffers=tuple(b for b in part.buffers if not any(b in sd for sd in sds)),
+    part = dataclasses.replace(part, unstored_buffers=tuple(b for b, k in zip(part.buffers, part.buffer_keys) if not any(k in sd for sd in sds)),
                                aliases=_aliases(part, sds))
     for r, sd in enumerate(sds):
         for name in part.stored_buffers:

@@ -22,6 +22,20 @@ def join(*names: str) -> str:
     return ".".join(n for n in names if n)
 
 
+# Wrapper modules whose state-dict hooks drop their own attribute name from every key below them:
+# fairscale's (its metadata drops these too) and torch's activation checkpoint/offload wrappers
+# (``checkpoint_wrapper``), whose name fairscale's metadata keeps in fsdp_path, parameter and buffer
+# names although state_dict() and local_state_dict() both leave it out.
+HIDDEN_BY_STATE_DICT = ("_fsdp_wrapped_module", "_fpw_module", "_checkpoint_wrapped_module")
+
+
+def state_dict_name(name: str) -> str:
+    """A module path as ``state_dict()`` spells it: hook-hidden wrapper names left out."""
+    if "_wrapped_module" not in name and "_fpw_module" not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p not in HIDDEN_BY_STATE_DICT)
+
+
 @dataclass(frozen=True)
 class Member:
     """One logical parameter inside a flat param."""
@@ -63,10 +77,12 @@ class FsdpInstance:
     extra: Tuple[Tuple[str, Any], ...] = ()  # unknown metadata keys, carried as is
 
     def local_key(self, fp: FlatParam) -> str:
-        return join(self.path, fp.key)
+        """The flat param's key in ``local_state_dict()``."""
+        return state_dict_name(join(self.path, fp.key))
 
     def logical_name(self, name: str) -> str:
-        return join(self.path, name)
+        """A member's (or tie's) name in ``state_dict()``; ``path`` stays as the metadata has it."""
+        return state_dict_name(join(self.path, name))
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,7 @@ class Part:
     label: str  # "model", "trunk", "heads.0"
     prefix: str  # logical names of this part start with it: "", "trunk.", "heads.0."
     instances: Tuple[FsdpInstance, ...]
-    buffers: Tuple[str, ...]  # as the metadata lists them
+    buffers: Tuple[str, ...]  # as the metadata lists them (see buffer_keys)
     unstored_buffers: Tuple[str, ...] = ()  # listed, never stored: non-persistent
     # Both below are derived from the stored keys, which the fingerprint hashes already: kept out of
     # repr (and so of the fingerprint) so that it stays what earlier versions computed.
@@ -89,8 +105,14 @@ class Part:
     stored_order: Tuple[str, ...] = field(default=(), repr=False)
 
     @property
+    def buffer_keys(self) -> Tuple[str, ...]:
+        """Every listed buffer, named as the state dicts name it."""
+        return tuple(state_dict_name(b) for b in self.buffers)
+
+    @property
     def stored_buffers(self) -> Tuple[str, ...]:
-        return tuple(b for b in self.buffers if b not in self.unstored_buffers)
+        """The persistent buffers, named as the state dicts name them."""
+        return tuple(state_dict_name(b) for b in self.buffers if b not in self.unstored_buffers)
 
     def flat_params(self) -> List[Tuple[FsdpInstance, FlatParam]]:
         """Every flat param in the order optimizers number them (the stored order, where known)."""
@@ -148,7 +170,7 @@ def _instance_from_metadata(
                 raise CheckpointError(f"{where}: {join(path, n)}: shape {list(s)} does not hold {k} elements")
             members.append(Member(name=n, shape=s, offset=offset, numel=int(k)))
             offset += int(k)
-        local_key = join(path, key)
+        local_key = state_dict_name(join(path, key))
         if local_key not in dtypes:
             raise CheckpointError(f"{where}: metadata names {local_key!r} but the shard has no such tensor")
         flat_params.append(FlatParam(key=key, members=tuple(members), numel=offset, dtype=dtypes[local_key]))

@@ -12,8 +12,12 @@ the root's own parameters interleaved with its children's flat params in
 Variant ``groups`` trains with two param groups listed out of
 ``parameters()`` order (the later flat parameters first, as a per-group
 learning rate or weight-decay split does), so optimizer ids do not follow
-the model's order. fairscale can gather optimizer state for neither of
-those (no ``full_optim``).
+the model's order. Variant ``ckptwrap`` puts torch's ``checkpoint_wrapper``
+both inside an FSDP instance (layer 0), around one (layer 1) and around a
+BatchNorm in the root: fairscale's metadata then names
+``_checkpoint_wrapped_module`` in paths, parameters and buffers, while
+``state_dict()`` and ``local_state_dict()`` leave it out. fairscale can
+gather optimizer state for none of those (no ``full_optim``).
 
 Optimizer oracle that needs no fairscale optimizer utility: each moment is
 loaded *as the weights* (``load_local_state_dict`` of the moment shards at
@@ -69,15 +73,27 @@ class TinyLM(nn.Module):
         return self.out(h) * self.temperature
 
 
+def _no_recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """A checkpoint function that just runs: recomputing around an FSDP instance breaks fairscale's
+    state machine, and the wrapper's names, not its recomputation, are what the variant is for."""
+    return fn(*args, **kwargs)
+
+
 def wrap(variant: str, seed: int) -> Any:
     from fairscale.nn import FullyShardedDataParallel as FSDP
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from ..fsdp.cpu_compat import cpu_fsdp_kwargs
 
     torch.manual_seed(seed)
     m, base = TinyLM(), cpu_fsdp_kwargs()
+    if variant == "ckptwrap":
+        m.layers[0] = checkpoint_wrapper(m.layers[0])  # recomputes in backward, inside FSDP
+        m.norm = checkpoint_wrapper(m.norm, checkpoint_fn=_no_recompute)  # buffers in the root
     m.layers[0] = FSDP(m.layers[0], **base)
     m.layers[1] = FSDP(m.layers[1], flatten_parameters=variant != "unflat", **base)
+    if variant == "ckptwrap":
+        m.layers[1] = checkpoint_wrapper(m.layers[1], checkpoint_fn=_no_recompute)
     m.layers[2].linear1 = FSDP(m.layers[2].linear1, **base)  # nested inside the next instance
     m.layers[2] = FSDP(m.layers[2], **base)
     m.act = FSDP(m.act, **base)  # no parameters
@@ -89,7 +105,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 def param_keys(root: Any) -> List[str]:
     """The local state-dict key of each of ``root.parameters()``, i.e. of each optimizer entry."""
-    drop = ("_fsdp_wrapped_module", "_fpw_module")
+    drop = ("_fsdp_wrapped_module", "_fpw_module", "_checkpoint_wrapped_module")  # state-dict hooks drop them
     return [".".join(p for p in n.split(".") if p not in drop) for n, _ in root.named_parameters()]
 
 
