@@ -7,6 +7,7 @@ import re
 import signal
 import sys
 import traceback
+import warnings
 from typing import Any, Callable, Optional
 
 import click
@@ -34,6 +35,12 @@ def _size(text: Optional[str]) -> Optional[int]:
 def _sigterm(signum: int, frame: Any) -> None:
     # Raise through the stack so atomic outputs remove their temporaries.
     raise SystemExit(128 + signum)
+
+
+def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                      line: Optional[str] = None) -> None:
+    # A user of the command needs the message, not the library line that raised it.
+    click.echo(f"warning: {message}", err=True)
 
 
 def _run(ctx: click.Context, fn: Callable[[], Any]) -> Any:
@@ -95,6 +102,8 @@ def main(ctx: click.Context, debug: bool) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    if not debug:
+        warnings.showwarning = _one_line_warning
 
 
 @main.result_callback()

@@ -58,3 +58,28 @@ def test_cli_refuses_pickle_with_exit_2(tmp_path):
     res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "inspect", str(d)], capture_output=True, text=True)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "--trust-pickles" in res.stderr
+
+
+def test_cli_trust_pickles_for_numpy_rng_state(fixtures, tmp_path):
+    # Training loops often save numpy/random RNG state beside the model: safe loading refuses it with
+    # a pointer to --trust-pickles, which then converts, saying so in one line per file.
+    import numpy as np
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for r in range(2):
+        d = torch.load(fixtures[2] / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=False)
+        d["extra_state"]["rng"] = {"numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        torch.save(d, src / f"checkpoint_last-shard{r}.pt")
+    cmd = [sys.executable, "-m", "ckptshard.cli", "consolidate", str(src), "-o", str(tmp_path / "out.pt"), "-q"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 2 and "--trust-pickles" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out.pt").exists()
+    res = subprocess.run(cmd + ["--trust-pickles"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    warned = [line for line in res.stderr.splitlines() if "full unpickling" in line]
+    assert len(warned) == 2 and all(line.startswith("warning: ") for line in warned), res.stderr
+    assert "warnings.warn" not in res.stderr and "UserWarning" not in res.stderr
+    want = torch.load(fixtures[2] / "ref" / "full_state_dict.pt", weights_only=True)
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
