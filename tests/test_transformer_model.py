@@ -273,3 +273,16 @@ def test_fsdp2_loads_the_dcp_of_several_param_groups(lm, tmp_path):
     for name, st in got["state"].items():
         for k in transformer.MOMENTS:
             assert torch.equal(st[k].reshape(-1), moments[k][name].reshape(-1)), (name, k)
+
+
+def test_wrapper_names_in_stored_keys_are_refused_clearly(lm, tmp_path):
+    # Before torch 1.12 checkpoint_wrapper had no state-dict hooks: its name was in the stored keys too.
+    from ckptshard.errors import CheckpointError
+
+    for r in range(SOURCE_WS):
+        d = shard_file(lm["src_root"] / "ckptwrap" / "src", r)
+        d["model"] = {k.replace("layers.1.", "layers.1._checkpoint_wrapped_module."): v for k, v in d["model"].items()}
+        torch.save(d, tmp_path / SHARD.format(r))
+    with pytest.raises(CheckpointError, match="wrapper name that state dicts hide since torch 1.12"):
+        consolidate(str(tmp_path), str(tmp_path / "full.pt"), progress=False)
+    assert not (tmp_path / "full.pt").exists()

@@ -172,6 +172,9 @@ def _instance_from_metadata(
             offset += int(k)
         local_key = state_dict_name(join(path, key))
         if local_key not in dtypes:
+            if join(path, key) in dtypes:  # torch 1.11's checkpoint_wrapper had no state-dict hooks yet
+                raise CheckpointError(f"{where}: {join(path, key)!r} is stored with a wrapper name that state dicts "
+                                      "hide since torch 1.12; shards saved before that are not supported")
             raise CheckpointError(f"{where}: metadata names {local_key!r} but the shard has no such tensor")
         flat_params.append(FlatParam(key=key, members=tuple(members), numel=offset, dtype=dtypes[local_key]))
     extra = tuple(sorted((k, v) for k, v in entry.items() if k not in _KNOWN_INSTANCE_KEYS))
