@@ -34,6 +34,7 @@ CASES = [(0, 0, 9000), (PAGE, 2 * PAGE, 7000), (12, 0, 9000), (4, 100, 20000), (
 @pytest.fixture(params=["as chosen", "no mapping", "no mapping, no copy_file_range"])
 def way(request, monkeypatch):
     monkeypatch.setattr(fill, "MAPPED_WINDOW", 3 * PAGE + 4)
+    monkeypatch.setattr(fill, "MAP_MIN", 64)  # the 12-byte case stays below it: read, not mapped
     calls = {"mapped": 0}
     real_mapped = Copier._copy_mapped
 
@@ -66,13 +67,32 @@ def test_every_way_writes_the_same_bytes(tmp_path, source, way, src_off, out_off
     got = out.read_bytes()
     assert got[out_off : out_off + n] == data[src_off : src_off + n]
     assert got[:out_off] == bytes(out_off) and got[out_off + n :] == bytes(16)
-    # Offsets unequal modulo a page are the ones that go through a mapping (or try to).
-    assert calls["mapped"] == (1 if (src_off - out_off) % PAGE else 0)
+    # Offsets unequal modulo a page are the ones that go through a mapping (or try to), unless small.
+    assert calls["mapped"] == (1 if (src_off - out_off) % PAGE and n >= fill.MAP_MIN else 0)
+
+
+def test_small_runs_are_read_and_written(tmp_path, source, monkeypatch):
+    # A run of a few KiB: one pread and one pwrite, neither a mapping nor copy_file_range, at any offset.
+    path, data = source
+    used = []
+    monkeypatch.setattr(fill.mmap, "mmap", lambda *a, **k: used.append("mmap"))
+    monkeypatch.setattr(fill.os, "copy_file_range", lambda *a, **k: used.append("copy_file_range"), raising=False)
+    out = tmp_path / "out.bin"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT)
+    try:
+        with Copier() as c:
+            for src_off, out_off in ((0, 0), (12, 4096 + 100), (PAGE + 8, 64)):
+                c.fill(fd, out_off, Fill((1000,), F32, (Source(_ref(path, src_off, 1000), 0, 0, 1000),)))
+                assert out.read_bytes()[out_off : out_off + 4000] == data[src_off : src_off + 4000]
+    finally:
+        os.close(fd)
+    assert used == []
 
 
 def test_mapped_windows_stay_small(tmp_path, source, monkeypatch):
     path, data = source
     monkeypatch.setattr(fill, "MAPPED_WINDOW", 2 * PAGE)
+    monkeypatch.setattr(fill, "MAP_MIN", 64)
     sizes = []
     real = fill.mmap.mmap
 
@@ -113,6 +133,7 @@ def test_a_source_that_cannot_be_mapped_is_not_tried_again(tmp_path, source, mon
         raise OSError("this file system cannot map")
 
     monkeypatch.setattr(fill.mmap, "mmap", refuse)
+    monkeypatch.setattr(fill, "MAP_MIN", 64)
     out = tmp_path / "out.bin"
     fd = os.open(out, os.O_RDWR | os.O_CREAT)
     try:

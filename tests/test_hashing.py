@@ -7,12 +7,15 @@ from xxhash import xxh3_128
 from ckptshard.io.hashing import MAX_AHEAD, Hashes
 
 
-@pytest.fixture(params=["mapped", "read"])
+@pytest.fixture(params=["mapped", "read", "as chosen"])
 def span_source(request, monkeypatch):
-    """Run a test with the hash pass mapping outputs (the default) and with mapping refused (reads instead)."""
-    if request.param == "read":
-        import ckptshard.io.hashing as hashing
+    """Run a test with the hash pass mapping every span, with mapping refused (reads instead), and
+    as it chooses (spans under MAP_MIN read, larger ones mapped)."""
+    import ckptshard.io.hashing as hashing
 
+    if request.param == "mapped":
+        monkeypatch.setattr(hashing, "MAP_MIN", 1)
+    if request.param == "read":
         def refuse(*args, **kwargs):
             if args and args[0] != -1:  # file mappings only: the fallback's own buffer is anonymous
                 raise OSError(19, "mapping refused")
@@ -176,3 +179,26 @@ def test_crc_records_out_of_order_or_patching_backwards_are_refused(tmp_path):
             hashes.patch_crc(str(path), 20, 10, (95,))
         advance(100)
         hashes.settled(str(path))
+
+
+def test_small_spans_are_read_not_mapped(tmp_path, monkeypatch):
+    # Thousands of small tensors (optimizer state of many FSDP instances at a large world size): a
+    # mapping per span cost more than the read it saves.
+    import ckptshard.io.hashing as hashing
+
+    maps = []
+    real = hashing.mmap.mmap
+    monkeypatch.setattr(hashing.mmap, "mmap", lambda *a, **k: (maps.append(a[0]), real(*a, **k))[1])
+    path = tmp_path / "f"
+    data = os.urandom(3000 * 700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    with Hashes() as hashes:
+        advance = hashes.watch(str(path))
+        os.ftruncate(fd, len(data))
+        for start in range(0, len(data), 700):
+            os.pwrite(fd, data[start:start + 700], start)
+            advance(start + 700)
+        os.close(fd)
+        hashes.complete(str(path))
+        assert hashes.digest(str(path)) == xxh3_128(data).hexdigest()
+    assert [fd for fd in maps if fd != -1] == []  # the one anonymous buffer only

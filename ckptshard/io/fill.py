@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 BLOCK = 64 * 1024 * 1024
 MAPPED_WINDOW = 8 << 20  # 32 MiB windows were no faster
+# Below this a run is read and written through memory: mapping a window costs an mmap, a munmap and,
+# with threads, the mapping lock and TLB shootdowns per run, and copy_file_range of a few KiB costs
+# several times a pread and a pwrite.
+MAP_MIN = 256 << 10
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map a window's pages at once, not a fault at a time
 
 
@@ -137,6 +141,9 @@ class Copier:
 
     def _copy(self, src_path: str, src_off: int, out_fd: int, out_off: int, n: int) -> None:
         fd = self._fd(src_path)
+        if n < MAP_MIN:
+            self._copy_read(src_path, fd, src_off, out_fd, out_off, n)
+            return
         if self._mappable and (src_off - out_off) % mmap.PAGESIZE:
             if self._copy_mapped(src_path, fd, src_off, out_fd, out_off, n):
                 return
@@ -151,6 +158,10 @@ class Copier:
                 return
             except OSError:
                 self._fast = False  # e.g. across filesystems on old kernels: plain reads from here on
+        self._copy_read(src_path, fd, src_off, out_fd, out_off, n)
+
+    @staticmethod
+    def _copy_read(src_path: str, fd: int, src_off: int, out_fd: int, out_off: int, n: int) -> None:
         while n > 0:
             chunk = os.pread(fd, min(n, BLOCK), src_off)
             if not chunk:

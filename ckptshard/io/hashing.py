@@ -46,6 +46,7 @@ from typing import Callable, Deque, Dict, Iterator, Optional, Tuple
 import xxhash
 
 from .durability import durable
+from .fill import MAP_MIN
 from .writeback import start_writeback
 from .zip_crc import crc32
 
@@ -265,7 +266,7 @@ def _span(f: _File, start: int, stop: int, buf: memoryview) -> Iterator[memoryvi
     mapped: touching a mapping beyond EOF kills the process with SIGBUS.
     """
     mapped = None
-    if os.fstat(f.fd).st_size >= stop:
+    if stop - start >= MAP_MIN and os.fstat(f.fd).st_size >= stop:  # small spans: one read beats a mapping
         base = start - start % mmap.ALLOCATIONGRANULARITY
         try:
             mapped = mmap.mmap(f.fd, stop - base, _MAP_FLAGS, mmap.PROT_READ, offset=base)
