@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
@@ -26,6 +26,8 @@ class ShardedCheckpoint:
     objs: List[Any]  # each rank's unpickled file; tensors are TensorRefs
     layout: ShardedLayout
     trust_pickles: bool = False
+    # Checks and plans computed once and asked for per output file (plan.optimizer.check_optimizer).
+    memo: Dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

@@ -9,6 +9,7 @@ concatenation of its *members*, the logical parameters.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
@@ -116,11 +117,16 @@ class Part:
 
     def flat_params(self) -> List[Tuple[FsdpInstance, FlatParam]]:
         """Every flat param in the order optimizers number them (the stored order, where known)."""
+        return list(self._flat_params)
+
+    @functools.cached_property
+    def _flat_params(self) -> Tuple[Tuple[FsdpInstance, FlatParam], ...]:
+        # Computed once: plans ask for it per output file, and a model has thousands of flat params.
         pairs = [(inst, fp) for inst in self.instances for fp in inst.flat_params]
         if self.stored_order:
             pos = {k: i for i, k in enumerate(self.stored_order)}
             pairs.sort(key=lambda p: pos.get(p[0].local_key(p[1]), len(pos)))
-        return pairs
+        return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,11 @@ class ShardedLayout:
 
     def flat_params(self) -> List[Tuple[Part, FsdpInstance, FlatParam]]:
         """Every flat param, in the order optimizers number them."""
-        return [(part, inst, fp) for part in self.parts for inst, fp in part.flat_params()]
+        return list(self._flat_params)
+
+    @functools.cached_property
+    def _flat_params(self) -> Tuple[Tuple[Part, FsdpInstance, FlatParam], ...]:
+        return tuple((part, inst, fp) for part in self.parts for inst, fp in part.flat_params())
 
     def per_rank_instances(self) -> List[str]:
         """Instances each rank holds whole, with its own values (``no_broadcast_optim_state``, e.g. MoE experts)."""

@@ -172,8 +172,12 @@ def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]
 
     Checks the parameter count, each rank's entry keys and tensor sizes.
     """
+    memo = ckpt.memo.get(("check_optimizer", by_name))
+    if memo is not None:  # asked once per output file; the answer is the checkpoint's
+        return list(memo)
     index = optimizer_params(ckpt, by_name)
-    flat = [_entries(ckpt)[j] for j in index]
+    entries = _entries(ckpt)
+    flat = [entries[j] for j in index]
     first = None
     for r in range(ckpt.world_size):
         osd = ckpt.optimizer_state(r)
@@ -203,6 +207,7 @@ def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]
                         f"{part.prefix}{inst.local_key(fp)} holds {want} per rank "
                         "(parameter order differs, or state of another shape)"
                     )
+    ckpt.memo[("check_optimizer", by_name)] = tuple(index)
     return index
 
 
@@ -210,7 +215,8 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
     """Rank ``rank``'s optimizer state dict at ``world_size``, as a tree of Fills."""
     if ckpt.container.optimizer is None:
         return None
-    flat = [_entries(ckpt)[j] for j in check_optimizer(ckpt)]  # index = optimizer id
+    entries = _entries(ckpt)
+    flat = [entries[j] for j in check_optimizer(ckpt)]  # index = optimizer id
     M = ckpt.world_size
     same = world_size == M
     # Per-rank values (0-dim tensors) follow the weights' buffer rule.
@@ -280,9 +286,8 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
                 for k, v in entry.items():
                     if not isinstance(v, TensorRef):
                         s[k] = v
-                    elif len(v.shape) == 0:
-                        vals = [osds[r]["state"][lid][k].read() for r in range(M)]
-                        s[k] = vals[0].item() if k == "step" else vals
+                    elif len(v.shape) == 0:  # read without torch, as Fills: no import, no data in memory
+                        s[k] = v.scalar() if k == "step" else [whole(osds[r]["state"][lid][k]) for r in range(M)]
                     else:
                         srcs = [osds[r]["state"][lid][k] for r in range(M)]
                         sources = member_sources(srcs, inst, fp, m)
