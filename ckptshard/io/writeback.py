@@ -9,27 +9,16 @@ the fsync stays. Linux only; elsewhere this is a no-op.
 """
 from __future__ import annotations
 
-import functools
-import sys
 from typing import Any, Optional
+
+from .libc import bind
 
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in the range, do not wait
 
 
-@functools.lru_cache(maxsize=None)
 def _bind() -> Optional[Any]:
-    """libc's sync_file_range, bound on first use: ctypes costs 2 ms to import, and --no-fsync runs never need it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    """libc's sync_file_range, bound on first use (--no-fsync runs never need it)."""
+    return bind("sync_file_range", ("c_int", "c_int64", "c_int64", "c_uint"))
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> bool:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from ..dtypes import SAFETENSORS_CODE, Size, StoredDType, dtype_name, to_torch
 from ..errors import CheckpointError
-from .atomic import open_empty
+from .atomic import open_empty, preallocate
 from .fill import Copier, Fill, Progress
 from .hashing import Hashes
 from .safe_load import SAFE_GLOBALS, TensorRef
@@ -204,8 +204,8 @@ def write_safetensors(
     fd = open_empty(path)
     watch = hashes.watch(path) if hashes else None  # the file exists from here
     try:
+        preallocate(fd, total)
         os.pwrite(fd, head, 0)
-        os.ftruncate(fd, total)
         for name in sorted(tensors):
             if watch:
                 watch(len(head) + offsets[name])
