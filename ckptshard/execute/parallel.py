@@ -100,8 +100,8 @@ def auto_processes(files: int, pieces: int, nbytes: int, cores: int) -> int:
     when the user chose none; 1 means threads of this process (:func:`writer_threads`).
 
     One process's threads (a writer and a hash thread per file) share its
-    mapping lock and GIL, and each run is mapped and copied on its own, so
-    many small runs contend; processes do not. Measured on 2 cores
+    mapping lock and GIL, and each run is copied (from 256 KiB up, mapped)
+    on its own, so many small runs contend; processes do not. Measured on 2 cores
     (docs/performance.md, ``--no-fsync``): reshard 3->8 with Adam state,
     3 GiB in runs of 3.4 MiB, 1.20 s in threads and 0.89 s in 2 processes;
     92 FSDP instances, 2 GiB in runs of 2.2 MiB, 1.00 and 0.66 s. Starting

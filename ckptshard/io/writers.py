@@ -69,7 +69,8 @@ def tree_nbytes(tree: Any) -> int:
 
 
 def tree_pieces(tree: Any) -> int:
-    """How many source runs the tensors of ``tree`` are copied from (each a mapping and a copy of its own)."""
+    """How many source runs the tensors of ``tree`` are copied from (each copied, and mapped from
+    256 KiB up, on its own)."""
     return sum(len(f.sources) for f in _fills_in(tree))
 
 
