@@ -1,8 +1,10 @@
 """fairscale FSDP on CPU over gloo equals plain single-process training."""
+import sys
+
 import torch
 import torch.nn as nn
 
-from ckptshard.fsdp.cpu_compat import cpu_fsdp_kwargs, needs_cpu_compat
+from ckptshard.fsdp.cpu_compat import cpu_fsdp_kwargs, is_installed
 from ckptshard.fsdp.launch import run_world
 
 STEPS = 5
@@ -21,6 +23,8 @@ def data(step):
 def train_fsdp(rank, world_size, out):
     from fairscale.nn import FullyShardedDataParallel as FSDP
 
+    # Every gloo rank computes on the CPU, also on a machine with GPUs.
+    assert is_installed() and cpu_fsdp_kwargs()["compute_device"] == torch.device("cpu")
     m = make_model()
     m[2] = FSDP(m[2], **cpu_fsdp_kwargs())
     m = FSDP(m, **cpu_fsdp_kwargs())
@@ -42,7 +46,6 @@ def train_fsdp(rank, world_size, out):
 
 
 def test_fsdp_world_size_2_equals_single_process(tmp_path):
-    assert needs_cpu_compat()  # the machines this suite runs on have no CUDA
     out = str(tmp_path / "fsdp.pt")
     run_world(train_fsdp, 2, out)
     got = torch.load(out, weights_only=True)
@@ -66,8 +69,11 @@ def test_fsdp_world_size_2_equals_single_process(tmp_path):
 def test_layer_leaves_torch_cuda_alone():
     from ckptshard.fsdp.cpu_compat import install_cpu_compat
 
-    install_cpu_compat()
-    assert torch.cuda.is_available() is False
+    import torch.cuda
+
+    had_cuda = torch.cuda.is_available()
+    install_cpu_compat(force=True)  # as a gloo rank does, with or without GPUs
+    assert torch.cuda is sys.modules["torch.cuda"] and torch.cuda.is_available() is had_cuda
     import fairscale.nn.data_parallel.fully_sharded_data_parallel as fsdp_mod
 
     assert fsdp_mod.torch.cuda.is_available() is True

@@ -5,9 +5,11 @@ hooks. Streams only order GPU work; on the CPU everything already runs in
 program order, so stand-ins that do nothing are exact. The stand-ins are
 installed into fairscale's FSDP module namespace only (its ``torch`` name
 becomes a proxy whose ``cuda`` attribute is fake), never into ``torch``
-itself, and only when CUDA is absent. ``Tensor.record_stream`` is the one
-global touch: it becomes a no-op for the fake streams and stays the real
-method for real ones.
+itself, and only in a process that runs FSDP on the CPU: where CUDA is
+absent, or in a gloo rank (:func:`..launch.run_world`) on a machine that
+has GPUs, whose models and collectives still stay on the CPU.
+``Tensor.record_stream`` is the one global touch: it becomes a no-op for
+the fake streams and stays the real method for real ones.
 
 One fairscale bug shows only on CPU and is fixed here too:
 ``gather_full_optim_state_dict`` all-gathers every optimizer tensor into one
@@ -127,15 +129,15 @@ def needs_cpu_compat() -> bool:
     return not torch.cuda.is_available()
 
 
-def install_cpu_compat() -> bool:
-    """Install the stand-ins if CUDA is absent. Idempotent.
+def install_cpu_compat(force: bool = False) -> bool:
+    """Install the stand-ins if CUDA is absent, or if ``force`` (a CPU-only process on a GPU machine). Idempotent.
 
     Returns True if the layer is active after the call.
     """
     global _installed
     if _installed:
         return True
-    if not needs_cpu_compat():
+    if not (force or needs_cpu_compat()):
         return False
     from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
 
@@ -159,7 +161,7 @@ def is_installed() -> bool:
 
 
 def cpu_fsdp_kwargs() -> Dict[str, Any]:
-    """FSDP keyword arguments every wrap needs on CPU (empty where CUDA exists)."""
-    if not needs_cpu_compat():
+    """FSDP keyword arguments every wrap needs on CPU (empty where FSDP may use the GPU)."""
+    if not (_installed or needs_cpu_compat()):
         return {}
     return {"compute_device": torch.device("cpu"), "bucket_cap_mb": 0}

@@ -36,7 +36,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
     try:
         from .cpu_compat import install_cpu_compat
 
-        install_cpu_compat()
+        # A gloo rank computes on the CPU even where GPUs exist: without the layer, fairscale
+        # would move its parameters to cuda (its default compute device) under gloo.
+        install_cpu_compat(force=backend == "gloo")
         fn(rank, world_size, *args)
         dist.barrier()
     finally:
@@ -51,8 +53,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
     """Spawn ``world_size`` processes, each calling ``fn(rank, world_size, *args)``.
 
-    ``backend``: gloo (CPU; the CPU compat layer is installed where CUDA is
-    absent) or nccl (one GPU per rank).
+    ``backend``: gloo (CPU; every rank installs the CPU compat layer, also on
+    a machine with GPUs) or nccl (one GPU per rank, no compat layer).
 
     ``fn`` must be importable (module level): the processes are spawned, not
     forked, so a parent that already started torch threads cannot deadlock them.
