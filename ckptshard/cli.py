@@ -71,8 +71,9 @@ def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
 
 
 # --jobs 0: chosen from the plan (execute/parallel.py: auto_processes).
-AUTO_JOBS = ("0 (the default) chooses: several processes where there are at least two files per core, 1 GiB "
-             "in all, copied in runs under 4 MiB on average (optimizer state, many FSDP instances), else 1. ")
+AUTO_JOBS = ("0 (the default) chooses: up to one process per core, two files each, where there are 4 files or "
+             "more, copied in runs under 4 MiB on average (optimizer state, many FSDP instances), 1 GiB or "
+             "5,000 runs in all; else 1. ")
 
 common_no_fsync = click.option(
     "--no-fsync", is_flag=True, expose_value=False, callback=_no_fsync,

@@ -249,7 +249,11 @@ def test_a_failing_writer_thread_fails_the_command_and_leaves_no_output(fixtures
     (8, 912, 3 << 30, 1, 1),  # one core: nothing to share
     (8, 912, 32 << 20, 2, 1),  # small: starting the workers (about 0.06 s) costs more than it saves
     (64, 9000, 8 << 30, 16, 16),  # many cores, enough files: one process per core
-    (8, 9000, 8 << 30, 16, 1),  # many cores, too few files to give each process two
+    (8, 912, 3 << 30, 16, 4),  # many cores, 8 files: two per process (16 cores: 0.99 s threads, 0.87 s in 4)
+    (48, 115_000, 3 << 28, 2, 2),  # 64 shards of 400 instances -> 48, 0.75 GiB: 11.2 s threads, 7.5 s in 2
+    (48, 115_000, 3 << 28, 16, 16),  # the same on 16 cores: 32.6 s threads, 12.2 s in 16
+    (12, 8642, 51 << 20, 2, 2),  # small, but many runs: 0.71 s threads, 0.62 s in 2
+    (12, 2727, 51 << 20, 2, 1),  # small, fewer runs: 0.41 s, 0.38 s: within the noise, keep one process
 ])
 def test_auto_processes_follows_the_measured_cases(files, pieces, nbytes, cores, want):
     from ckptshard.execute.parallel import auto_processes
