@@ -170,3 +170,44 @@ def test_write_torch_sets_every_crc_with_or_without_a_hash_pass(tmp_path, hashed
     got = torch.load(out, weights_only=True)
     assert torch.equal(got["a"], values[1:1001]) and torch.equal(got["b"], values[1001:3000])
     assert got["tied"] is got["a"] and got["n"] == 3 and got["empty"].numel() == 0
+
+
+def _python_pickle(tree):
+    import io
+
+    from ckptshard.io.torch_save import _Pickler
+
+    buf = io.BytesIO()
+    _Pickler(buf).dump(tree)
+    return buf.getvalue()
+
+
+def test_c_pickler_writes_the_python_picklers_bytes():
+    """The fast path (C pickler, stand-in names renamed) is byte for byte the Python pickler's, ties and all."""
+    import argparse
+    import collections
+
+    from ckptshard.io.torch_save import _pickle
+
+    a = Fill((3, 4), StoredDType("float32"), ())
+    tree = {"model": collections.OrderedDict((f"l{i}.w", Fill((i + 1,), StoredDType("bfloat16"), ())) for i in range(300)),
+            "tied": a, "again": a, "step": Fill((), StoredDType("int64"), ()), "mask": Fill((2,), StoredDType("bool"), ()),
+            "shapes": [Size((2, 3)), torch.Size((4,)), Size(())], "args": argparse.Namespace(lr=0.1),
+            "groups": [{"params": list(range(300)), "betas": (0.9, 0.999)}], "sets": ({1, 2}, frozenset({3}))}
+    pkl, storages = _pickle(tree)
+    assert pkl == _python_pickle(tree)
+    assert len(storages) == 303 and b"ckptshard" not in pkl
+
+
+def test_a_string_that_looks_like_a_stand_in_is_kept(tmp_path):
+    """A string holding a stand-in's GLOBAL text must not be renamed: that file goes through the Python pickler."""
+    from ckptshard.io import torch_names
+    from ckptshard.io.torch_save import _pickle
+
+    text = torch_names.marker("FloatStorage").decode()
+    tree = {text: Fill((2,), StoredDType("float32"), ()), "note": text}
+    pkl, _ = _pickle(tree)
+    assert pkl == _python_pickle(tree) and pkl.count(text.encode()) == 1  # one string, memoized
+    write_skeleton(str(tmp_path / "x.pt"), tree)
+    got = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert got["note"] == text and got[text].dtype == torch.float32 and got[text].shape == (2,)
