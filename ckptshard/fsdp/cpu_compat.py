@@ -125,7 +125,7 @@ def _patch_gather_optim_state(fsdp_mod: types.ModuleType) -> None:
 
 
 def needs_cpu_compat() -> bool:
-    """True where CUDA is absent, the only case the layer is for."""
+    """True where CUDA is absent: the layer is needed whatever the caller runs (gloo ranks also force it)."""
     return not torch.cuda.is_available()
 
 
