@@ -139,6 +139,27 @@ class Copier:
             if progress:
                 progress(s.length * isz)
 
+    @staticmethod
+    def copies_only(fill: Fill) -> bool:
+        """Every source of ``fill`` is a plain byte copy (no dtype conversion, no strided gather)."""
+        name = dtype_name(fill.dtype)
+        return all(s.length == 0 or (dtype_name(s.ref.dtype) == name and s.ref.contiguous) for s in fill.sources)
+
+    def fill_memory(self, out: memoryview, fill: Fill) -> None:
+        """Read ``fill``'s bytes into ``out`` (its size), each run straight into its place; :meth:`copies_only` fills."""
+        isz = fill.dtype.itemsize
+        for s in fill.sources:
+            if s.length == 0:
+                continue
+            start, n = s.dst_start * isz, s.length * isz
+            src_off = s.ref.offset + s.src_start * isz
+            got = os.preadv(self._fd(s.ref.path), [out[start : start + n]], src_off)
+            while got < n:  # a short read only at the end of a file (or from an interrupted one): go on
+                more = os.preadv(self._fd(s.ref.path), [out[start + got : start + n]], src_off + got)
+                if more == 0:
+                    raise _truncated(s.ref.path, src_off + n)
+                got += more
+
     def _copy(self, src_path: str, src_off: int, out_fd: int, out_off: int, n: int) -> None:
         fd = self._fd(src_path)
         if n < MAP_MIN:

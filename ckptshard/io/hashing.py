@@ -64,16 +64,17 @@ Watermark = Callable[[int], None]  # "bytes [0, n) of the output are final"
 
 
 class _File:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, digest: Optional[str] = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR)  # now: the file may be renamed while it is hashed; RDWR for CRCs
+        # Now: the file may be renamed while it is hashed; RDWR for CRCs. None: hashed by its writer.
+        self.fd = os.open(path, os.O_RDWR) if digest is None else -1
         self.mark = 0
         self.done = 0
-        self.complete = False
-        self.hash = new_hash()
+        self.complete = digest is not None
+        self.hash = new_hash() if digest is None else None
         self.crcs: Deque[Tuple[int, int, Tuple[int, ...]]] = collections.deque()  # (start, end, where), in order
         self.crc = 0  # of the front record, so far
-        self.digest: Optional[str] = None
+        self.digest: Optional[str] = digest
         self.error: Optional[BaseException] = None
 
 
@@ -112,6 +113,22 @@ class Hashes:
                     self._cond.notify_all()
 
         return advance
+
+    def hashed(self, path: str, data: memoryview) -> None:
+        """``path`` was written whole from ``data`` (its every byte) by its writer, which hashes it here:
+        the thread has nothing to read. Its writeback starts now where outputs are durable."""
+        key = os.path.abspath(path)
+        digest = new_hash(data).hexdigest()
+        with self._cond:
+            if key in self._by_path:
+                raise AssertionError(f"{key}: already watched")
+            self._by_path[key] = _File(key, digest)
+        if self._durable:
+            fd = os.open(key, os.O_RDONLY)
+            try:
+                start_writeback(fd, 0, len(data))
+            finally:
+                os.close(fd)
 
     def patch_crc(self, path: str, start: int, size: int, positions: Tuple[int, ...]) -> None:
         """Once bytes ``[start, start + size)`` of watched ``path`` are hashed, write their CRC-32 at ``positions``.

@@ -193,6 +193,12 @@ def write_skeleton(path: str, tree: Any) -> Skeleton:
     """Write ``tree`` as torch.save would, tensor data left as holes: each Fill's data offset (by id), and
     where each tensor record's CRC goes (the writer knows: nobody reads the zip back to find out)."""
     skeleton = lay_out_zip(tree)
+    write_laid_out(path, skeleton)
+    return skeleton
+
+
+def write_laid_out(path: str, skeleton: Skeleton) -> None:
+    """Write ``skeleton``'s bytes to a new file at ``path``, its tensor data left as holes."""
     fd = open_empty(path)
     try:
         preallocate(fd, skeleton.end)
@@ -201,7 +207,6 @@ def write_skeleton(path: str, tree: Any) -> Skeleton:
             os.pwrite(fd, data, at)
     finally:
         os.close(fd)
-    return skeleton
 
 
 def write_zip(f: Any, tree: Any) -> Skeleton:
