@@ -27,6 +27,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py                    # 2 GiB, 8 shards
     .venv/bin/python scripts/bench.py --sizes 1,2,4      # scaling table (+ plot with --plot)
     .venv/bin/python scripts/bench.py --optimizer        # with Adam state (3x the bytes)
+    .venv/bin/python scripts/bench.py --many-instances   # 64 shards x 400 tiny FSDP instances: per-run costs
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -139,7 +140,8 @@ def gen(folder: str, size_gib: float, shards: int, optimizer: bool) -> None:
 
 
 def _clean(out: str) -> None:
-    for p in (out, out + ".pt", out + ".safetensors", out + ".pt.manifest.json", out + ".safetensors.manifest.json"):
+    for p in (out, out + ".pt", out + ".safetensors", out + ".pt.manifest.json", out + ".safetensors.manifest.json",
+              out + ".optim.pt", out + ".optim.pt.manifest.json"):
         if os.path.isdir(p):
             shutil.rmtree(p)
         elif os.path.exists(p):
@@ -188,17 +190,47 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
                   ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"]))
+    results = interleave(cases, repeat, src, out, lambda name, cmd: three if three in cmd else src)
+    shutil.rmtree(three)
+    return results
+
+
+def interleave(cases: List[Tuple[str, List[str]]], repeat: int, src: str, out: str,
+               reads: Callable[[str, List[str]], str]) -> Dict[str, Tuple[float, int, float]]:
+    """Every case ``repeat`` times, round-robin; per case the median wall, peak RSS and fastest wall."""
     run(["cp", "-r", src, out])  # warm the page cache
     _clean(out)
     samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
     for _ in range(repeat):
         for name, cmd in cases:
-            reads = None if "floor" in name else three if three in cmd else src
-            samples[name].append(run(cmd, reads))
+            samples[name].append(run(cmd, None if "floor" in name else reads(name, cmd)))
             _clean(out)
-    shutil.rmtree(three)
     return {name: (statistics.median(w for w, _ in v), max(r for _, r in v), min(w for w, _ in v))
             for name, v in samples.items()}
+
+
+MANY = (64, 400, 0.25)  # shards, FSDP instances, GiB of weights (+ Adam state: 0.75 GiB in all)
+
+
+def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
+    """Many shards of many small FSDP instances: 115k copy runs of about 7 KiB in a reshard to 48 ranks."""
+    shards, layers, gib = MANY
+    src = os.path.join(work, f"src-many-{shards}x{layers}-adam")
+    if not os.path.isdir(src):
+        code = ("import sys; from ckptshard.testing.synthetic import write_synthetic, width_for;"
+                f"write_synthetic(sys.argv[1], {shards}, {layers}, width_for(int({gib} * 2**30), {layers}), optimizer=True)")
+        subprocess.run([PY, "-c", code, src], check=True)
+    out = os.path.join(work, "out")
+    ck = [PY, "-m", "ckptshard.cli"]
+    cases = [
+        ("cp -r", ["cp", "-r", src, out]),
+        ("ckptshard reshard 64->48 --no-fsync (default --jobs)", ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync"]),
+        ("ckptshard reshard 64->48 --no-fsync --jobs 1 (threads)",
+         ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync", "--jobs", "1"]),
+        ("ckptshard consolidate --optimizer -> .pt --no-fsync",
+         ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"]),
+    ]
+    return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
 
 def table(size_gib: float, results: Dict[str, Tuple[float, int]]) -> str:
@@ -221,6 +253,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="runs per command; the median wall time is reported")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
     ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
+    ap.add_argument("--many-instances", action="store_true",
+                    help=f"instead: {MANY[0]} shards of {MANY[1]} small FSDP instances with Adam state "
+                         f"({3 * MANY[2]:g} GiB), resharded to 48 and consolidated: the per-run costs")
     ap.add_argument("--prefault-gib", type=float, default=None,
                     help="memory touched and freed before each timed command (default: 8 GiB or twice the bytes "
                          "of the size being run, Adam state included, whichever is more; at most half the free "
@@ -234,6 +269,11 @@ def main() -> None:
     subprocess.run([PY, "-m", "compileall", "-q", os.path.join(ROOT, "ckptshard")], check=True, stdout=subprocess.DEVNULL)
     print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
           f"python {sys.version.split()[0]}; warm page cache\n")
+    if args.many_instances:
+        want = 8 if args.prefault_gib is None else args.prefault_gib
+        PREFAULT = int(min(want * 2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 2)) >> 20 << 20
+        print(table(3 * MANY[2], bench_many(args.work, args.repeat)), flush=True)
+        return
     all_results = {}
     for size in sizes:
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
