@@ -15,6 +15,9 @@ record before it hashes them. Until :meth:`Hashes.settled` (or
 :meth:`Hashes.digest`) returns, such a file is not final: fsync and rename
 it only after.
 
+A small file that its writer put together in memory (``io/writers.py``)
+is hashed by the writer from that buffer instead (:meth:`Hashes.hashed`).
+
 Once a span is hashed the thread also queues its writeback
 (:mod:`.writeback`): the disk writes during the copy instead of all at once
 when the output is closed and fsynced.

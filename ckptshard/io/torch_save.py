@@ -29,7 +29,7 @@ import struct
 import types
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from .atomic import open_empty, preallocate
@@ -68,6 +68,25 @@ class _Storage:
         self.key, self.fill = key, fill
 
 
+def _is_size(obj: Any) -> bool:
+    # Size pickles as torch.Size elsewhere, so a tree sent to a --jobs worker holds torch.Size.
+    return isinstance(obj, Size) or (type(obj).__name__ == "Size" and type(obj).__module__ == "torch")
+
+
+def _check_plain(obj: Any) -> None:
+    if type(obj) not in _PLAIN and not isinstance(obj, (_Storage, type, types.BuiltinFunctionType)):
+        raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
+
+
+def _new_storage(storages: List[_Storage], fill: Fill) -> Tuple[_Storage, tuple]:
+    """``fill``'s storage (the next key) and the arguments of its ``_rebuild_tensor_v2``."""
+    if not isinstance(fill.dtype, StoredDType) or fill.dtype.name not in _CLASS_OF_DTYPE:
+        raise Unsupported(f"dtype {fill.dtype}")
+    storage = _Storage(str(len(storages)), fill)
+    storages.append(storage)
+    return storage, (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict())
+
+
 class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extended per object
     def __init__(self, f: Any) -> None:
         super().__init__(f, protocol=2)
@@ -88,28 +107,22 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
             self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode("ascii"))
             self.memoize(obj)
             return
-        if isinstance(obj, Size) or (type(obj).__name__ == "Size" and type(obj).__module__ == "torch"):
-            # Size pickles as torch.Size elsewhere, so a tree sent to a --jobs worker holds torch.Size.
+        if _is_size(obj):
             self.save_reduce(_Global.of("torch", "Size"), (tuple(obj),), obj=obj)
             return
         if isinstance(obj, Fill):
             self._save_tensor(obj)
             return
-        if type(obj) not in _PLAIN and not isinstance(obj, (_Storage, type, types.BuiltinFunctionType)):
-            raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
+        _check_plain(obj)
         super().save(obj, save_persistent_id)
 
     def _save_tensor(self, fill: Fill) -> None:
-        if not isinstance(fill.dtype, StoredDType) or fill.dtype.name not in _CLASS_OF_DTYPE:
-            raise Unsupported(f"dtype {fill.dtype}")
         memo = self.memo.get(id(fill))
         if memo is not None:  # a tie: the same tensor again, as torch.save writes it
             self.write(self.get(memo[0]))
             return
-        storage = _Storage(str(len(self.storages)), fill)
-        self.storages.append(storage)
-        self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"),
-                         (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict()), obj=fill)
+        _, args = _new_storage(self.storages, fill)
+        self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"), args, obj=fill)
 
 
 _PLAIN = {dict, collections.OrderedDict, list, tuple, str, bytes, int, float, bool, type(None), set, frozenset,
@@ -124,7 +137,7 @@ class _FastPickler(pickle.Pickler):
     def __init__(self, f: Any) -> None:
         super().__init__(f, protocol=2)
         self.storages: List[_Storage] = []
-        self.used: set = set()  # stand-in names written
+        self.used: Set[str] = set()  # stand-in names written
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is _Storage:
@@ -135,18 +148,12 @@ class _FastPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Fill):
-            if not isinstance(obj.dtype, StoredDType) or obj.dtype.name not in _CLASS_OF_DTYPE:
-                raise Unsupported(f"dtype {obj.dtype}")
-            storage = _Storage(str(len(self.storages)), obj)
-            self.storages.append(storage)
             self.used.add("_rebuild_tensor_v2")
-            return (torch_names.REBUILD_TENSOR,
-                    (storage, 0, tuple(obj.shape), strides(obj.shape), False, collections.OrderedDict()))
-        if isinstance(obj, Size) or (type(obj).__name__ == "Size" and type(obj).__module__ == "torch"):
+            return (torch_names.REBUILD_TENSOR, _new_storage(self.storages, obj)[1])
+        if _is_size(obj):
             self.used.add("Size")
             return (torch_names.SIZE, (tuple(obj),))
-        if type(obj) not in _PLAIN and not isinstance(obj, (type, types.BuiltinFunctionType)):
-            raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
+        _check_plain(obj)
         return NotImplemented  # pickled as usual (a tie to an earlier object never gets here: the memo has it)
 
 
