@@ -152,10 +152,9 @@ class Copier:
             if s.length == 0:
                 continue
             start, n = s.dst_start * isz, s.length * isz
-            src_off = s.ref.offset + s.src_start * isz
-            got = os.preadv(self._fd(s.ref.path), [out[start : start + n]], src_off)
-            while got < n:  # a short read only at the end of a file (or from an interrupted one): go on
-                more = os.preadv(self._fd(s.ref.path), [out[start + got : start + n]], src_off + got)
+            src_off, fd, got = s.ref.offset + s.src_start * isz, self._fd(s.ref.path), 0
+            while got < n:  # one read, unless it comes back short (an interrupted one; the end of the file)
+                more = os.preadv(fd, [out[start + got : start + n]], src_off + got)
                 if more == 0:
                     raise _truncated(s.ref.path, src_off + n)
                 got += more

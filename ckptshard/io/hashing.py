@@ -117,9 +117,9 @@ class Hashes:
 
         return advance
 
-    def hashed(self, path: str, data: memoryview) -> None:
-        """``path`` was written whole from ``data`` (its every byte) by its writer, which hashes it here:
-        the thread has nothing to read. Its writeback starts now where outputs are durable."""
+    def hashed(self, path: str, fd: int, data: memoryview) -> None:
+        """``path`` (open as ``fd``) was written whole from ``data`` (its every byte) by its writer, which
+        hashes it here: the thread has nothing to read. Its writeback starts now where outputs are durable."""
         key = os.path.abspath(path)
         digest = new_hash(data).hexdigest()
         with self._cond:
@@ -127,11 +127,7 @@ class Hashes:
                 raise AssertionError(f"{key}: already watched")
             self._by_path[key] = _File(key, digest)
         if self._durable:
-            fd = os.open(key, os.O_RDONLY)
-            try:
-                start_writeback(fd, 0, len(data))
-            finally:
-                os.close(fd)
+            start_writeback(fd, 0, len(data))
 
     def patch_crc(self, path: str, start: int, size: int, positions: Tuple[int, ...]) -> None:
         """Once bytes ``[start, start + size)`` of watched ``path`` are hashed, write their CRC-32 at ``positions``.

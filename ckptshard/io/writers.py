@@ -179,10 +179,10 @@ def _write_torch_in_memory(path: str, skeleton: Skeleton, fills: List[Fill], cop
             done = 0
             while done < len(buf):
                 done += os.pwrite(fd, view[done:], done)
+            if hashes is not None:
+                hashes.hashed(path, fd, view)
         finally:
             os.close(fd)
-        if hashes is not None:
-            hashes.hashed(path, view)
     finally:
         view.release()
 
