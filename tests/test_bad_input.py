@@ -176,6 +176,40 @@ def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_outputs_get_the_umasks_permissions_and_temporaries_never_reuse_a_name(tmp_path, monkeypatch):
+    """Temporaries are created exclusively (as mkstemp does) but end with the usual permissions, not mkstemp's 0o600."""
+    from ckptshard.io.atomic import atomic_output, new_beside
+
+    old = os.umask(0o027)
+    try:
+        with atomic_output(str(tmp_path / "f.pt"), is_dir=False) as tmp:
+            assert os.path.basename(tmp).startswith(".f.pt.") and tmp.endswith(".ckptshard-tmp")
+        with atomic_output(str(tmp_path / "d"), is_dir=True) as tmp:
+            pass
+        with atomic_output(str(tmp_path / "d"), is_dir=True, overwrite=True) as tmp:  # the replace path
+            (tmp_path / tmp / "x").write_text("new")
+    finally:
+        os.umask(old)
+    assert oct((tmp_path / "f.pt").stat().st_mode & 0o777) == oct(0o640)
+    assert oct((tmp_path / "d").stat().st_mode & 0o777) == oct(0o750)
+    assert (tmp_path / "d" / "x").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f.pt"]  # no temporary, no old copy left
+
+    taken = {new_beside(str(tmp_path), "n", ".t", is_dir=False) for _ in range(50)}
+    assert len(taken) == 50
+    real = os.urandom
+    calls = []
+
+    def collide_once(n):  # the first name drawn is taken: another is drawn, the taken one left alone
+        calls.append(n)
+        return b"\0" * n if len(calls) <= 2 else real(n)
+
+    (tmp_path / f".m.{'00' * 6}.t").write_text("someone's")
+    monkeypatch.setattr(os, "urandom", collide_once)
+    made = new_beside(str(tmp_path), "m", ".t", is_dir=False)
+    assert made != str(tmp_path / f".m.{'00' * 6}.t") and (tmp_path / f".m.{'00' * 6}.t").read_text() == "someone's"
+
+
 SLOW_CONSOLIDATE = """
 import os, signal, sys, time, ckptshard.io.fill as fill
 # Ctrl-C as in a terminal, even where the test runs in the background (which ignores SIGINT, and so would the child).
