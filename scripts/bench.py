@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -105,6 +106,7 @@ with mmap.mmap(-1, n) as m:
         m.write(bytes(1 << 20))
 """
 PREFAULT = 0  # bytes; set from --prefault-gib
+ONLY = re.compile("")  # rows to run (cp -r always runs); set from --only
 
 
 def warm(folder: Optional[str]) -> None:
@@ -190,6 +192,7 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
                   ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"]))
+    cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
     results = interleave(cases, repeat, src, out, lambda name, cmd: three if three in cmd else src)
     shutil.rmtree(three)
     return results
@@ -230,6 +233,7 @@ def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
         ("ckptshard consolidate --optimizer -> .pt --no-fsync",
          ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"]),
     ]
+    cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
     return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
 
@@ -256,12 +260,16 @@ def main() -> None:
     ap.add_argument("--many-instances", action="store_true",
                     help=f"instead: {MANY[0]} shards of {MANY[1]} small FSDP instances with Adam state "
                          f"({3 * MANY[2]:g} GiB), resharded to 48 and consolidated: the per-run costs")
+    ap.add_argument("--only", default="", metavar="REGEX",
+                    help="run only the rows whose name matches (cp -r always runs): fewer rows afford more --repeat, "
+                         "e.g. --only 'no-fsync' --repeat 9")
     ap.add_argument("--prefault-gib", type=float, default=None,
                     help="memory touched and freed before each timed command (default: 8 GiB or twice the bytes "
                          "of the size being run, Adam state included, whichever is more; at most half the free "
                          "memory); 0 turns it off")
     args = ap.parse_args()
-    global PREFAULT
+    global PREFAULT, ONLY
+    ONLY = re.compile(args.only)
     sizes = [float(s) for s in args.sizes.split(",")]
     os.makedirs(args.work, exist_ok=True)
     # An installed package has its bytecode compiled; an editable one under PYTHONDONTWRITEBYTECODE (as in this
