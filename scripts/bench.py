@@ -170,6 +170,11 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         # Like cp -r: not fsynced (still renamed into place only when complete).
         ("ckptshard consolidate -> .safetensors --no-fsync", ck + ["consolidate", src, "-o", out + ".safetensors", "-q", "--no-fsync"]),
         ("ckptshard consolidate -> .pt --no-fsync", ck + ["consolidate", src, "-o", out + ".pt", "-q", "--no-fsync"]),
+        # With Adam state: every byte cp -r copies is written (weights beside, optimizer in .optim.pt).
+        *([("ckptshard consolidate --optimizer -> .safetensors + .optim.pt --no-fsync",
+            ck + ["consolidate", src, "-o", out + ".safetensors", "--optimizer", "-q", "--no-fsync"]),
+           ("ckptshard consolidate --optimizer -> .pt + .optim.pt --no-fsync",
+            ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"])] if optimizer else []),
         (f"ckptshard reshard {shards}->3 --no-fsync", ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
         # The same in 2 processes: no mapping lock or GIL shared by every file's threads (many small pieces).
         (f"ckptshard reshard {shards}->3 --no-fsync --jobs 2",
