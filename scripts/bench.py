@@ -28,6 +28,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py --sizes 1,2,4      # scaling table (+ plot with --plot)
     .venv/bin/python scripts/bench.py --optimizer        # with Adam state (3x the bytes)
     .venv/bin/python scripts/bench.py --many-instances   # 64 shards x 400 tiny FSDP instances: per-run costs
+    .venv/bin/python scripts/bench.py --no-fairscale --only no-fsync --repeat 9   # the 1.2x-cp-r rows, 9 rounds
 """
 from __future__ import annotations
 
