@@ -91,6 +91,11 @@ def sources_in(fill: Fill, start: int, stop: int, dst_start: int = 0) -> Tuple[S
 Progress = Callable[[int], None]
 
 
+def _plain_copy(s: Source, dtype: str) -> bool:
+    """``s`` is copied byte for byte into an output of ``dtype`` (same dtype, contiguous source)."""
+    return dtype_name(s.ref.dtype) == dtype and s.ref.contiguous
+
+
 def _truncated(path: str, end: int) -> CheckpointError:
     return CheckpointError(f"{path}: truncated: data ends before byte {end}")
 
@@ -126,7 +131,7 @@ class Copier:
         for s in fill.sources:
             if s.length == 0:
                 continue
-            if dtype_name(s.ref.dtype) == name and s.ref.contiguous:
+            if _plain_copy(s, name):
                 self._copy(
                     s.ref.path,
                     s.ref.offset + s.src_start * isz,
@@ -143,7 +148,7 @@ class Copier:
     def copies_only(fill: Fill) -> bool:
         """Every source of ``fill`` is a plain byte copy (no dtype conversion, no strided gather)."""
         name = dtype_name(fill.dtype)
-        return all(s.length == 0 or (dtype_name(s.ref.dtype) == name and s.ref.contiguous) for s in fill.sources)
+        return all(s.length == 0 or _plain_copy(s, name) for s in fill.sources)
 
     def fill_memory(self, out: memoryview, fill: Fill) -> None:
         """Read ``fill``'s bytes into ``out`` (its size), each run straight into its place; :meth:`copies_only` fills."""

@@ -78,13 +78,13 @@ def _check_plain(obj: Any) -> None:
         raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
 
 
-def _new_storage(storages: List[_Storage], fill: Fill) -> Tuple[_Storage, tuple]:
-    """``fill``'s storage (the next key) and the arguments of its ``_rebuild_tensor_v2``."""
+def _new_storage(storages: List[_Storage], fill: Fill) -> tuple:
+    """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to ``storages``."""
     if not isinstance(fill.dtype, StoredDType) or fill.dtype.name not in _CLASS_OF_DTYPE:
         raise Unsupported(f"dtype {fill.dtype}")
     storage = _Storage(str(len(storages)), fill)
     storages.append(storage)
-    return storage, (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict())
+    return (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict())
 
 
 class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extended per object
@@ -121,8 +121,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
         if memo is not None:  # a tie: the same tensor again, as torch.save writes it
             self.write(self.get(memo[0]))
             return
-        _, args = _new_storage(self.storages, fill)
-        self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"), args, obj=fill)
+        self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"), _new_storage(self.storages, fill), obj=fill)
 
 
 _PLAIN = {dict, collections.OrderedDict, list, tuple, str, bytes, int, float, bool, type(None), set, frozenset,
@@ -149,7 +148,7 @@ class _FastPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Fill):
             self.used.add("_rebuild_tensor_v2")
-            return (torch_names.REBUILD_TENSOR, _new_storage(self.storages, obj)[1])
+            return (torch_names.REBUILD_TENSOR, _new_storage(self.storages, obj))
         if _is_size(obj):
             self.used.add("Size")
             return (torch_names.SIZE, (tuple(obj),))
