@@ -107,6 +107,13 @@ with mmap.mmap(-1, n) as m:
         m.write(bytes(1 << 20))
 """
 PREFAULT = 0  # bytes; set from --prefault-gib
+
+
+def prefault_bytes(want_gib: float) -> int:
+    """``want_gib`` GiB, at most half the free memory, in whole MiB."""
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return int(min(want_gib * 2**30, free // 2)) >> 20 << 20
+
 ONLY = re.compile("")  # rows to run (cp -r always runs); set from --only
 
 
@@ -198,7 +205,6 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
     cases.append((f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
                   ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"]))
-    cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
     results = interleave(cases, repeat, src, out, lambda name, cmd: three if three in cmd else src)
     shutil.rmtree(three)
     return results
@@ -206,7 +212,9 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
 
 def interleave(cases: List[Tuple[str, List[str]]], repeat: int, src: str, out: str,
                reads: Callable[[str, List[str]], str]) -> Dict[str, Tuple[float, int, float]]:
-    """Every case ``repeat`` times, round-robin; per case the median wall, peak RSS and fastest wall."""
+    """Every case that ``--only`` keeps (``cp -r`` always), ``repeat`` times, round-robin; per case the median
+    wall, peak RSS and fastest wall."""
+    cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
     run(["cp", "-r", src, out])  # warm the page cache
     _clean(out)
     samples: Dict[str, List[Tuple[float, int]]] = {name: [] for name, _ in cases}
@@ -239,7 +247,6 @@ def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
         ("ckptshard consolidate --optimizer -> .pt --no-fsync",
          ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"]),
     ]
-    cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
     return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
 
@@ -284,16 +291,14 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
           f"python {sys.version.split()[0]}; warm page cache\n")
     if args.many_instances:
-        want = 8 if args.prefault_gib is None else args.prefault_gib
-        PREFAULT = int(min(want * 2**30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES") // 2)) >> 20 << 20
+        PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
         print(table(3 * MANY[2], bench_many(args.work, args.repeat)), flush=True)
         return
     all_results = {}
     for size in sizes:
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         # Twice the bytes alone was too little: 2 GiB before each 1 GiB run left cp -r at 1.85 s (0.29-0.34 s after 8).
         want = max(8, 2 * size * (3 if args.optimizer else 1)) if args.prefault_gib is None else args.prefault_gib
-        PREFAULT = int(min(want * 2**30, free // 2)) >> 20 << 20
+        PREFAULT = prefault_bytes(want)
         print(f"{size:g} GiB: {PREFAULT / 2**30:.1f} GiB prefaulted before each run", flush=True)
         all_results[size] = bench_size(args.work, size, args.shards, args.optimizer, not args.no_fairscale, args.repeat)
         print(table(size, all_results[size]) + "\n", flush=True)
