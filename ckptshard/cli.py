@@ -31,6 +31,13 @@ def _size(text: Optional[str]) -> Optional[int]:
     return int(float(m.group(1)) * mult)
 
 
+def _leads() -> bool:
+    """This process reports: not a torchrun rank other than 0 (the command has imported parallel already)."""
+    from .execute.parallel import leads
+
+    return leads()
+
+
 def _sigterm(signum: int, frame: Any) -> None:
     # Raise through the stack so atomic outputs remove their temporaries.
     raise SystemExit(128 + signum)
@@ -52,9 +59,25 @@ def _run(ctx: click.Context, fn: Callable[[], Any]) -> Any:
 
             traceback.print_exc()
         raise BadInput(str(e)) from None
+    except OSError as e:  # the machine's answer (disk full, permissions...), not a bug: one line, as for bad input
+        if ctx.obj.get("debug"):
+            import traceback
+
+            traceback.print_exc()
+        raise BadInput(_os_error(e)) from None
     except KeyboardInterrupt:
         click.echo("interrupted; no output was written", err=True)
         sys.exit(130)
+
+
+def _os_error(e: OSError) -> str:
+    import errno
+
+    where = f"{e.filename}: " if e.filename else ""
+    what = e.strerror or str(e)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"{where}{what}: the disk filled up while writing; nothing was written (temporaries removed)"
+    return f"{where}{what}; nothing was written"
 
 
 common_trust = click.option(
@@ -160,7 +183,7 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
                                 optimizer=optimizer, overwrite=overwrite, trust_pickles=trust_pickles,
                                 progress=not quiet, select=select, strip_prefix=strip_prefix, rename=rename,
                                 dtype=dtype, jobs=jobs))
-    if os.environ.get("RANK", "0") == "0":
+    if _leads():
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
         for note in res.notes:
             click.echo(f"note: {note}", err=True)
@@ -189,7 +212,7 @@ def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, 
 
     res = _run(ctx, lambda: run(src, dst, world_size, overwrite=overwrite, trust_pickles=trust_pickles,
                                 progress=not quiet, jobs=jobs, optimizer=not no_optimizer))
-    if os.environ.get("RANK", "0") == "0":
+    if _leads():
         click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
@@ -261,7 +284,7 @@ def convert(ctx: click.Context, src: str, to: str, out: str, like: Optional[str]
                                 max_shard_size=_size(max_shard_size), overwrite=overwrite,
                                 trust_pickles=trust_pickles, progress=not quiet, select=select,
                                 strip_prefix=strip_prefix, rename=rename, dtype=dtype, jobs=jobs))
-    if os.environ.get("RANK", "0") == "0":
+    if _leads():
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
 
 

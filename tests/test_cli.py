@@ -63,15 +63,21 @@ def test_errors_are_one_line_with_exit_2(fixtures, tmp_path, args, needle):
     assert [line for line in res.stderr.splitlines() if line.startswith("Error:")] == [res.stderr.strip().splitlines()[-1]]
 
 
-def test_existing_output_needs_overwrite(fixtures, tmp_path):
+def test_existing_output_needs_overwrite_and_only_ckptshard_outputs_are_replaced(fixtures, tmp_path):
     out = tmp_path / "x.pt"
     out.write_bytes(b"keep me")
     res = cli("consolidate", fixtures[2] / "fairseq", "-o", out, "-q")
     assert res.returncode == 2 and "--overwrite" in res.stderr
     assert out.read_bytes() == b"keep me"
-    res = cli("consolidate", fixtures[2] / "fairseq", "-o", out, "-q", "--overwrite")
+    res = cli("consolidate", fixtures[2] / "fairseq", "-o", out, "-q", "--overwrite")  # not ckptshard's: kept
+    assert res.returncode == 2 and "replaces only what ckptshard wrote" in res.stderr, res.stderr
+    assert out.read_bytes() == b"keep me"
+    out.unlink()
+    assert cli("consolidate", fixtures[2] / "fairseq", "-o", out, "-q").returncode == 0
+    res = cli("consolidate", fixtures[3] / "fairseq", "-o", out, "-q", "--overwrite")  # its own output: replaced
     assert res.returncode == 0, res.stderr
-    assert set(torch.load(out, weights_only=True)) == set(load_ref(fixtures[2], "full_state_dict.pt"))
+    assert set(torch.load(out, weights_only=True)) == set(load_ref(fixtures[3], "full_state_dict.pt"))
+    assert json.loads((tmp_path / "x.pt.manifest.json").read_text())["source"]["world_size"] == 3
 
 
 def test_help_explains_commands():

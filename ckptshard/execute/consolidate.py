@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
+from ..io.inputs import watched
 from ..io.fill import Copier, Fill, whole
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
@@ -175,6 +176,7 @@ def optimizer_path(out: str) -> str:
     return stem + ".optim.pt"
 
 
+@watched
 def consolidate(
     src: str,
     out: str,
@@ -209,7 +211,7 @@ def consolidate(
     # Read (and so write) without importing torch where the files allow: 1.5-2.5 s here.
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
     inputs = tuple(ckpt.files.paths)
-    run_checked(lambda: check_output(out, overwrite, inputs))
+    run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     optim = None
     if optimizer:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
+from ..io.inputs import watched
 from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_metadata
 from ..io.fill import Copier, Progress, is_tensor
 from ..io.hashing import Hashes
@@ -56,6 +57,7 @@ class ConvertResult:
     nbytes: int
 
 
+@watched
 def convert(
     src: str,
     out: str,
@@ -116,7 +118,7 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
                       select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
                       dtype: Optional[str], jobs: int) -> ConvertResult:
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # the DCP writer needs no torch either
-    run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths)))
+    run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths), is_dir=True))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
@@ -193,7 +195,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
                                  select, strip_prefix, renames, dtype, inputs, jobs)
     fmt = _check_format(out, to, max_shard_size)
     check_parallel(fmt, jobs)
-    run_checked(lambda: check_output(out, overwrite, inputs))
+    run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
     whole = d.tree if optimizer else {k: v for k, v in d.tree.items() if k != OPTIM}
     reshaping = bool(select or strip_prefix or renames or dtype)
     if fmt == "torch" and not reshaping:
@@ -241,7 +243,7 @@ def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_s
         # fairscale's other optimizer keys (e.g. fairseq's loss_scale) come from the template.
         extra = {k: v for k, v in template.optimizer_state(0).items() if k not in ("state", "param_groups")}
         full_optim.update(extra)
-    check_output(out, overwrite, inputs + tuple(template.files.paths))
+    check_output(out, overwrite, inputs + tuple(template.files.paths), is_dir=True)
     trees = sharded_files(template, full, world_size, full_optim)
     source = {"dcp": _dcp_source_info(d), "like": source_info(template)}
     res = write_rank_files(template, trees, out, f"convert ->{world_size}", overwrite, progress, source, jobs)

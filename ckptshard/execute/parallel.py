@@ -18,6 +18,7 @@ from ..dtypes import Size
 from ..errors import CheckpointError
 from ..io.fill import Copier, Progress
 from ..io.hashing import Hashes
+from ..io.libc import bind
 from ..io.writers import tree_nbytes, tree_pieces, write_safetensors, write_torch
 
 T = TypeVar("T")
@@ -27,7 +28,51 @@ def _size_as_itself(size: Size) -> Any:
     return Size, (tuple(size),)
 
 
-Job = Tuple[Any, str]  # (tree, output path)
+Job = Tuple[Any, str]  # (tree, output path), or a PlannedFile
+
+
+class PlannedFiles:
+    """The trees of many output files, each planned when it is written: a reshard to 100,000 ranks
+    holds one rank's plan at a time, not all of them. File 0 is planned at once (its planning runs
+    every check of the input); the others have its size and copy runs, as every FSDP rank's file does."""
+
+    def __init__(self, plan: Callable[[int], Any], count: int) -> None:
+        self._plan, self.count = plan, count
+        self.first = plan(0)
+        self.nbytes, self.pieces = tree_nbytes(self.first), tree_pieces(self.first)
+
+    def tree(self, i: int) -> Any:
+        return self.first if i == 0 else self._plan(i)
+
+    def jobs(self, paths: Sequence[str]) -> List["PlannedFile"]:
+        return [PlannedFile(self, i, p) for i, p in enumerate(paths)]
+
+
+class PlannedFile:
+    """A job (tree, path) whose tree is planned when it is unpacked, or pickled for a worker process."""
+
+    def __init__(self, files: PlannedFiles, index: int, path: str) -> None:
+        self.files, self.index, self.path = files, index, path
+
+    def __getitem__(self, i: int) -> Any:  # a (tree, path) pair: job[1] asks for no plan
+        return (self.files.tree(self.index), self.path)[i] if i in (0, -2) else (None, self.path)[i]
+
+    def __len__(self) -> int:
+        return 2
+
+    def __iter__(self) -> Any:
+        return iter((self.files.tree(self.index), self.path))
+
+    def __reduce__(self) -> Any:
+        return tuple, ((self.files.tree(self.index), self.path),)
+
+
+def job_nbytes(job: Any) -> int:
+    return job.files.nbytes if isinstance(job, PlannedFile) else tree_nbytes(job[0])
+
+
+def job_pieces(job: Any) -> int:
+    return job.files.pieces if isinstance(job, PlannedFile) else tree_pieces(job[0])
 Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
 
 
@@ -44,6 +89,24 @@ def _write_one_safetensors(job: Job, metadata: Optional[Dict[str, str]], tick: O
     with Copier() as copier, Hashes() as hashes:
         write_safetensors(path, tensors, copier, tick, metadata, hashes)
         return path, hashes.digest(path)
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """In a worker process: be killed when ``parent`` dies, even by ``kill -9`` (Linux's PR_SET_PDEATHSIG).
+
+    Without it the workers of a killed run write on for minutes, holding
+    the caller's stdout open (a caller capturing it waits that long).
+    """
+    import signal
+
+    prctl = bind("prctl", ("c_int", "c_ulong", "c_ulong", "c_ulong", "c_ulong"))
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
 
 
 def by_name(written: Sequence[Tuple[str, str]]) -> Digests:
@@ -67,7 +130,8 @@ def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
     # Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
     # itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
     ForkingPickler.register(Size, _size_as_itself)
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(fn, job, *args) for job in jobs]
         out = []
         for f, job in zip(futures, jobs):
@@ -173,8 +237,7 @@ def write_torch_files(jobs: Sequence[Job], processes: int, trust_pickles: bool, 
                       ) -> Digests:
     """Write every (tree, path) job as torch.save (see :func:`map_jobs`); each file's digest, by name,
     computed by the process or thread that wrote it."""
-    return by_name(map_jobs(_write_one, jobs, processes, tick, lambda job: tree_nbytes(job[0]), trust_pickles,
-                            pieces=lambda job: tree_pieces(job[0])))
+    return by_name(map_jobs(_write_one, jobs, processes, tick, job_nbytes, trust_pickles, pieces=job_pieces))
 
 
 def write_safetensors_files(jobs: Sequence[Job], processes: int, metadata: Optional[Dict[str, str]],
@@ -186,10 +249,31 @@ def write_safetensors_files(jobs: Sequence[Job], processes: int, metadata: Optio
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:
-    """(rank, world size) when launched by torchrun with more than one rank, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
+    """(rank, world size) when launched by torchrun with more than one rank, else None.
+
+    torchrun is known by its own variable (``TORCHELASTIC_RUN_ID``), not by
+    ``RANK``/``WORLD_SIZE`` alone: job scripts (SLURM's among them) export
+    those for the training they launch, and a conversion run from such a
+    shell is one process.
+    """
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except ValueError:
+        raise CheckpointError(f"torchrun set RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}: not numbers") from None
+    return (rank, world) if world > 1 else None
+
+
+TIMEOUT_ENV = "CKPTSHARD_DIST_TIMEOUT"  # seconds a torchrun rank waits for the others, at start and at each step
+
+
+def dist_timeout() -> float:
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, "900"))
+    except ValueError:
+        raise CheckpointError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r}: not a number of seconds") from None
 
 
 def leads() -> bool:
@@ -199,10 +283,34 @@ def leads() -> bool:
 
 
 def init_torchrun() -> None:
+    """Join torchrun's process group, waiting at most :func:`dist_timeout` seconds for the other ranks.
+
+    The wait runs in a helper thread so that this one stays interruptible
+    (Ctrl-C, SIGTERM): gloo's own wait does not return to Python until it ends.
+    """
+    import datetime
+
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return
+    timeout = dist_timeout()
+    failure: List[BaseException] = []
+
+    def join() -> None:
+        try:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        except BaseException as e:  # reported by the waiting thread
+            failure.append(e)
+
+    helper = threading.Thread(target=join, name="ckptshard torchrun join", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.2)
+    if failure:
+        rank, world = torchrun_world() or (0, 1)
+        raise CheckpointError(f"torchrun rank {rank}: the other ranks of {world} did not join within {timeout:g} s "
+                              f"({type(failure[0]).__name__}; {TIMEOUT_ENV} sets the wait)")
 
 
 def leave_torchrun() -> None:

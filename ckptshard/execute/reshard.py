@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
 from ..io.atomic import atomic_output, check_output, check_space
+from ..io.inputs import watched
 from ..io.fill import Copier
 from ..io.hashing import Hashes
 from ..io.full_state import full_state_refs
@@ -16,11 +17,19 @@ from ..io.safe_load import TensorRef, load_lazy
 from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..io.torch_save import save_plain
 from ..io.tree import leaves
-from ..io.writers import tree_nbytes, write_torch
+from ..io.writers import torch_file_size_bound, tree_nbytes, write_torch
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from .consolidate import source_info
-from .parallel import Digests, merged, run_checked, torchrun_world, write_folder_across_ranks, write_torch_files
+from .parallel import (
+    Digests,
+    PlannedFiles,
+    merged,
+    run_checked,
+    torchrun_world,
+    write_folder_across_ranks,
+    write_torch_files,
+)
 from .progress import progress_bar
 
 
@@ -39,9 +48,16 @@ def shard_list_name(ckpt: ShardedCheckpoint) -> str:
     return (head[: -len("_shard")] if head.endswith("_shard") else head.rstrip("_-")) + ckpt.files.tail
 
 
+def _sizes(trees: "Sequence[Any] | PlannedFiles") -> Tuple[int, int]:
+    """(tensor bytes, an upper estimate of the bytes on disk) of every rank file."""
+    if isinstance(trees, PlannedFiles):
+        return trees.nbytes * trees.count, torch_file_size_bound(trees.first) * trees.count
+    return sum(tree_nbytes(t) for t in trees), sum(torch_file_size_bound(t) for t in trees)
+
+
 def write_rank_files(
     template: ShardedCheckpoint,
-    trees: Sequence[Any],
+    trees: "Sequence[Any] | PlannedFiles",
     dst: str,
     desc: str,
     overwrite: bool,
@@ -56,14 +72,16 @@ def write_rank_files(
     threads of this one do; under torchrun the ranks share the files (see
     :mod:`.parallel`).
     """
-    total = sum(tree_nbytes(t) for t in trees)
-    names = [template.files.name_for(r) for r in range(len(trees))]
+    total, on_disk = _sizes(trees)
+    count = trees.count if isinstance(trees, PlannedFiles) else len(trees)
+    names = [template.files.name_for(r) for r in range(count)]
     world = torchrun_world()
     if world is not None:
-        return _write_distributed(template, trees, names, dst, desc, overwrite, source, total, *world)
-    check_space(dst, total)
+        return _write_distributed(template, trees, names, dst, desc, overwrite, source, on_disk, *world)
+    check_space(dst, on_disk)
     with progress_bar(total, desc, progress) as tick, atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp:
-        work = [(tree, os.path.join(tmp, name)) for tree, name in zip(trees, names)]
+        paths = [os.path.join(tmp, name) for name in names]
+        work = trees.jobs(paths) if isinstance(trees, PlannedFiles) else list(zip(trees, paths))
         digests = write_torch_files(work, jobs, template.trust_pickles, tick)
         names = _finish_folder(template, tmp, names, source, desc, digests)
     return ReshardResult(dst, names, total)
@@ -81,13 +99,16 @@ def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], s
     return names
 
 
-def _write_distributed(template: ShardedCheckpoint, trees: Sequence[Any], names: List[str], dst: str, desc: str,
-                       overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int) -> ReshardResult:
+def _write_distributed(template: ShardedCheckpoint, trees: "Sequence[Any] | PlannedFiles", names: List[str], dst: str,
+                       desc: str, overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int
+                       ) -> ReshardResult:
+    tree = trees.tree if isinstance(trees, PlannedFiles) else trees.__getitem__
+
     def share(folder: str) -> Digests:  # each rank hashes what it writes: rank 0 reads nothing again
         with Copier() as copier, Hashes() as hashes:
-            for i in range(rank, len(trees), world):
-                write_torch(os.path.join(folder, names[i]), trees[i], copier, None, template.trust_pickles, hashes)
-            return {names[i]: hashes.digest(os.path.join(folder, names[i])) for i in range(rank, len(trees), world)}
+            for i in range(rank, len(names), world):
+                write_torch(os.path.join(folder, names[i]), tree(i), copier, None, template.trust_pickles, hashes)
+            return {names[i]: hashes.digest(os.path.join(folder, names[i])) for i in range(rank, len(names), world)}
 
     def finish(folder: str, shares: List[Digests]) -> List[str]:
         return _finish_folder(template, folder, names, source, desc, merged(shares))
@@ -101,6 +122,7 @@ def _check_world_size(world_size: int) -> None:
         raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
 
 
+@watched
 def reshard(
     src: str,
     dst: str,
@@ -118,9 +140,10 @@ def reshard(
     """
     _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
-    run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths)))
-    # Plan every rank first: a bad input fails here, before any byte is written.
-    trees = [resharded_file(ckpt, world_size, r, optimizer) for r in range(world_size)]
+    run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
+    # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
+    # as they are written.
+    trees = PlannedFiles(lambda r: resharded_file(ckpt, world_size, r, optimizer), world_size)
     return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
                             source_info(ckpt), jobs)
 
@@ -144,6 +167,7 @@ def _shard_inputs(full: str, like: str, optimizer: Optional[str], trust_pickles:
     return template, refs, full_optim
 
 
+@watched
 def shard(
     full: str,
     like: str,
@@ -160,7 +184,7 @@ def shard(
     template, refs, full_optim = _shard_inputs(full, like, optimizer, trust_pickles, torch_free=True)
     check_full_against_plan(template, refs)
     inputs = (full, *template.files.paths) + ((optimizer,) if optimizer is not None else ())
-    run_checked(lambda: check_output(dst, overwrite, inputs))
+    run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     trees = sharded_files(template, refs, world_size, full_optim)
     source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}
     return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)

@@ -22,6 +22,7 @@ from ..layout.boxes import box_runs, numel
 from ..plan.dcp import unflatten_state_dict
 from .dcp_write import METADATA, is_dcp  # noqa: F401 (is_dcp: part of this module's reading API)
 from .fill import Fill, Source, as_fill
+from .inputs import input_file
 from .pickle_reader import Unsupported, read_torch_zip, torch_free_allowed
 from .safe_load import TensorRef, _to_refs, safe_torch_load
 from .window import FileWindow
@@ -200,9 +201,9 @@ def _chunk(folder: str, info: Any, read: ReadFrame, where: str, sizes: Dict[str,
         raise CheckpointError(f"{where}: stored with stream transforms {list(info.transform_descriptors)}: not supported")
     path = os.path.join(folder, info.relative_path)
     if path not in sizes:
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise CheckpointError(f"{where}: data file {info.relative_path} is missing")
-        sizes[path] = os.path.getsize(path)
+        sizes[path] = input_file(path).st_size
     if info.offset + info.length > sizes[path]:
         raise CheckpointError(f"{where}: {info.relative_path} ends before byte {info.offset + info.length} (truncated?)")
     return read(path, int(info.offset), int(info.length), f"{where} in {info.relative_path}")
@@ -250,6 +251,7 @@ def open_dcp(folder: str, trust_pickles: bool = False) -> DcpCheckpoint:
     Without torch where the stand-ins and the torch-free reader handle every
     part; otherwise the whole folder through torch, as one kind of dtype.
     """
+    input_file(os.path.join(folder, METADATA))
     if torch_free_allowed():
         try:
             return _open(folder, _stand_in_metadata(folder), _frame_torch_free)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
+from .inputs import input_file
 from .pickle_reader import Unsupported, read_torch_file
+from .safe_load import safe_globals
 
 # "...shard3.pt", "..._shard3.torch", "...-shard03.pt", "..._shard_3.pt": the rank follows "shard".
 _SHARD_RE = re.compile(r"^(?P<head>.*shard[-_]?)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
@@ -57,7 +59,7 @@ def _ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[s
 
 def _read_shard_list(path: str) -> Optional[List[str]]:
     """The shard names of a VISSL ``shard_list`` file, or None if it is not one."""
-    if os.path.getsize(path) > 64 * 1024 * 1024:
+    if input_file(path).st_size > 64 * 1024 * 1024:
         return None
     try:
         obj = read_torch_file(path)
@@ -65,7 +67,7 @@ def _read_shard_list(path: str) -> Optional[List[str]]:
         try:
             import torch
 
-            with torch.serialization.safe_globals([]):
+            with safe_globals():
                 obj = torch.load(path, map_location="meta", weights_only=True)
         except Exception:
             return None
@@ -79,7 +81,10 @@ def _read_shard_list(path: str) -> Optional[List[str]]:
 
 def _metadata_only(path: str) -> bool:
     """A small file holding only ``local_metadata_dict()`` (no weights): the metadata saved on its own."""
-    if os.path.getsize(path) > 16 * 1024 * 1024:
+    try:
+        if input_file(path).st_size > 16 * 1024 * 1024:
+            return False
+    except CheckpointError:
         return False
     try:
         obj = read_torch_file(path)

@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..dtypes import SAFETENSORS_CODE, StoredDType, to_torch
 from ..errors import CheckpointError
 from ..layout.boxes import strides
+from .inputs import input_file
 from .safe_load import TensorRef, load_lazy
 
 _DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
@@ -19,7 +20,7 @@ def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef
 
     ``torch_free``: dtypes are StoredDTypes (no torch import), else torch's.
     """
-    size = os.path.getsize(path)
+    size = input_file(path).st_size
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
@@ -29,31 +30,59 @@ def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef
             raise CheckpointError(f"{path}: not a safetensors file (bad header length)")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, UnicodeDecodeError):
             raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a safetensors file (header is not a JSON object)")
     out: Dict[str, TensorRef] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype_name = _DTYPE_OF_CODE.get(info.get("dtype"))
+        begin, end, shape, dtype_name = _entry(info)
         if dtype_name is None:
-            raise CheckpointError(f"{path}: {name}: unsupported dtype {info.get('dtype')}")
+            raise CheckpointError(f"{path}: {name}: malformed header entry (wants dtype, shape, data_offsets)")
         dtype = StoredDType(dtype_name) if torch_free else to_torch(StoredDType(dtype_name))
-        begin, end = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
         ref = TensorRef(path, 8 + n + begin, dtype, shape, strides(shape))
-        if ref.nbytes != end - begin or 8 + n + end > size:
+        if ref.nbytes != end - begin or begin < 0 or 8 + n + end > size:
             raise CheckpointError(f"{path}: {name}: data offsets do not fit shape or file (truncated?)")
         out[name] = ref
     return out
 
 
+def _entry(info: Any) -> Tuple[int, int, Tuple[int, ...], Optional[str]]:
+    """(begin, end, shape, dtype name) of one header entry; dtype None where the entry is malformed."""
+    try:
+        begin, end = (int(x) for x in info["data_offsets"])
+        shape = tuple(int(s) for s in info["shape"])
+        if any(s < 0 for s in shape):
+            raise ValueError
+        return begin, end, shape, _DTYPE_OF_CODE.get(info["dtype"])
+    except (KeyError, TypeError, ValueError):
+        return 0, 0, (), None
+
+
+INDEX = "model.safetensors.index.json"
+
+
 def index_refs(folder: str, torch_free: bool = False) -> Dict[str, TensorRef]:
-    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-        index = json.load(f)
+    where = os.path.join(folder, INDEX)
+    try:
+        with open(where) as f:
+            index = json.load(f)
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{where}: not JSON") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{where}: no weight_map of tensor names to file names")
     out: Dict[str, TensorRef] = {}
-    for fname in sorted(set(index["weight_map"].values())):
-        out.update(safetensors_refs(os.path.join(folder, fname), torch_free))
+    for fname in sorted(set(weight_map.values())):
+        fpath = os.path.join(folder, fname)
+        if os.path.basename(fname) != fname or not os.path.lexists(fpath):
+            raise CheckpointError(f"{where}: names {fname!r}, which is not in {folder}")
+        out.update(safetensors_refs(fpath, torch_free))
+    missing = sorted(set(weight_map) - set(out))
+    if missing:
+        raise CheckpointError(f"{where}: {missing[0]!r} is mapped to {weight_map[missing[0]]}, which does not hold it")
     return out
 
 
@@ -64,7 +93,7 @@ def full_state_refs(path: str, trust_pickles: bool = False, torch_free: bool = F
     torch.save file the torch-free reader refuses still goes through torch.
     """
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+        if not os.path.isfile(os.path.join(path, INDEX)):
             raise CheckpointError(f"{path}: a folder without model.safetensors.index.json")
         return index_refs(path, torch_free)
     if path.endswith(".safetensors"):

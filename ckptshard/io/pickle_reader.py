@@ -29,6 +29,8 @@ import zipfile
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
+from ..errors import CheckpointError
+from .inputs import input_file
 from .safe_load import TensorRef
 from .tree import map_leaves
 from .window import FileWindow
@@ -104,15 +106,19 @@ _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.i
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False) -> None:
+    def __init__(self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False,
+                 trusted: bool = False) -> None:
         super().__init__(f)
         self._storage = storage
         self._legacy = legacy
+        self._trusted = trusted
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
         if found is None and module == "torch":
             found = _STORAGE_TYPES.get(name)
+        if found is None and self._trusted:  # --trust-pickles: any global, as torch.load(weights_only=False)
+            return super().find_class(module, name)
         if found is None:
             raise Unsupported(f"global {module}.{name}")
         return found
@@ -158,12 +164,55 @@ def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None) -> 
             raw: Any = f if offset == 0 and length is None else FileWindow(
                 f.fileno(), offset, os.fstat(f.fileno()).st_size - offset if length is None else length)
             with zipfile.ZipFile(raw) as zf:
+                check_zip_records(zf, path)
                 obj = _read_zip(zf, raw, offset)
-    except Unsupported:
+    except (Unsupported, CheckpointError):
         raise
     except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong
         raise Unsupported(f"{type(e).__name__}: {e}") from None
+    check_depth(obj, path)
     return _to_refs(path, obj)
+
+
+MAX_DEPTH = 100  # containers nested deeper are refused: no real checkpoint comes near, and writing them back
+#                 would exhaust the pickler's recursion
+
+
+def check_zip_records(zf: zipfile.ZipFile, where: str) -> None:
+    """Refuse what torch.save never writes and readers resolve differently: two records of one name
+    (this reader and torch's would each pick one) and compressed records (inflated whole: a zip bomb)."""
+    names = zf.namelist()
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise CheckpointError(f"{where}: the zip holds two records named {dup!r}: damaged or crafted, not read")
+    packed = next((i.filename for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
+    if packed is not None:
+        raise CheckpointError(f"{where}: zip record {packed!r} is compressed, which torch.save never does: "
+                              "unzip and re-save the checkpoint with torch.save")
+
+
+MAX_NODES = 10_000_000  # containers and leaves, counting a shared one at each place it appears
+
+
+def check_depth(obj: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse an object whose dicts, lists and tuples nest deeper than ``limit``, or that expands to more
+    than MAX_NODES objects (a pickle can share one list many times over); walked without recursion."""
+    stack = [(obj, 1)]
+    visits = 0
+    while stack:
+        x, depth = stack.pop()
+        visits += 1
+        if visits > MAX_NODES:
+            raise CheckpointError(f"{where}: expands to more than {MAX_NODES:,} objects; not read")
+        if isinstance(x, dict):
+            children = x.values()
+        elif isinstance(x, (list, tuple)):
+            children = x
+        else:
+            continue
+        if depth > limit:
+            raise CheckpointError(f"{where}: containers nested more than {limit} levels deep; not read")
+        stack.extend((c, depth + 1) for c in children)
 
 
 def _read_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
@@ -198,8 +247,11 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
 
-def read_torch_legacy(path: str) -> Any:
-    """Unpickle ``path`` (legacy, non-zip torch.save) without torch; tensors become TensorRefs."""
+def read_torch_legacy(path: str, trusted: bool = False) -> Any:
+    """Unpickle ``path`` (legacy, non-zip torch.save) without torch; tensors become TensorRefs.
+
+    ``trusted`` (--trust-pickles): any other global is imported, as torch.load would; it can run code.
+    """
     try:
         with open(path, "rb") as f:
             def plain() -> Any:  # the small pickles around the object: no globals, no storages
@@ -219,7 +271,7 @@ def read_torch_legacy(path: str) -> Any:
                     raise Unsupported("one storage read as two dtypes")
                 return seen[key]
 
-            obj = _Unpickler(f, storage, legacy=True).load()
+            obj = _Unpickler(f, storage, legacy=True, trusted=trusted).load()
             keys = plain()
             if not isinstance(keys, list) or set(keys) != set(seen):
                 raise Unsupported("storage keys do not match the pickle")
@@ -238,6 +290,7 @@ def read_torch_legacy(path: str) -> Any:
         raise
     except Exception as e:  # damaged file: say what is wrong
         raise Unsupported(f"{type(e).__name__}: {e}") from None
+    check_depth(obj, path)
     return _to_refs(path, obj)
 
 
@@ -247,4 +300,5 @@ def _no_storage(key: str, dtype: StoredDType) -> _Storage:
 
 def read_torch_file(path: str) -> Any:
     """:func:`read_torch_zip` or :func:`read_torch_legacy`, whichever format ``path`` is in."""
+    input_file(path)
     return read_torch_zip(path) if zipfile.is_zipfile(path) else read_torch_legacy(path)

@@ -8,16 +8,19 @@ a tensor into a handle that reads byte ranges on demand.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 import re
+import threading
 import warnings
 import zipfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, Tuple
 
 from ..dtypes import to_torch, unpack_scalar
 from ..errors import CheckpointError
+from .inputs import input_file
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +98,27 @@ class TensorRef:
         )
 
 
+def read_scalars(refs: "list[TensorRef]") -> list:
+    """The values of many one-element tensors, each file opened once (see :meth:`TensorRef.scalar`)."""
+    fds: dict = {}
+    out = []
+    try:
+        for ref in refs:
+            if ref.numel != 1:
+                raise ValueError(f"{ref.path}: a tensor of {ref.numel} elements is not a scalar")
+            if ref.path not in fds:
+                fds[ref.path] = os.open(ref.path, os.O_RDONLY)
+            raw = os.pread(fds[ref.path], ref.itemsize, ref.offset)
+            if len(raw) < ref.itemsize:
+                raise CheckpointError(f"{ref.path}: truncated: tensor data ends early at byte {ref.offset}")
+            value = unpack_scalar(ref.dtype, raw)
+            out.append(ref.read().item() if value is None else value)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
 def read_elements(path: str, offset: int, dtype: Any, count: int, itemsize: int) -> "torch.Tensor":
     import torch
 
@@ -151,9 +175,15 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
     files you made yourself. ``torch_free``: try the torch-free reader first
     (dtypes are then StoredDTypes; ``CKPTSHARD_TORCH_READER=1`` turns it off).
     """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file")
-    from .pickle_reader import Unsupported, read_torch_file, read_torch_legacy, torch_free_allowed  # imports us
+    input_file(path)
+    from .pickle_reader import (  # imports us
+        Unsupported,
+        check_depth,
+        check_zip_records,
+        read_torch_file,
+        read_torch_legacy,
+        torch_free_allowed,
+    )
 
     if torch_free and not trust_pickles and torch_free_allowed():
         try:
@@ -162,13 +192,38 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
             pass
     if not zipfile.is_zipfile(path):
         try:  # the legacy format: torch can only load it whole, the torch-free reader lazily
-            return read_torch_legacy(path)
+            return read_torch_legacy(path, trust_pickles)
         except Unsupported as e:
+            hint = "" if trust_pickles else "; if it holds other Python objects and you trust it, pass --trust-pickles"
             raise CheckpointError(
-                f"{path}: not a zip-format torch.save checkpoint, nor a legacy one read lazily ({e}): "
-                "truncated, corrupted, or needs re-saving with a current torch.save"
+                f"{path}: not a zip-format torch.save checkpoint, nor a legacy one read lazily ({e}){hint}"
             ) from None
-    return _to_refs(path, safe_torch_load(path, path, trust_pickles))
+    try:
+        with zipfile.ZipFile(path) as zf:
+            check_zip_records(zf, path)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        pass  # damaged: torch.load says how
+    obj = safe_torch_load(path, path, trust_pickles)
+    check_depth(obj, path)
+    return _to_refs(path, obj)
+
+
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def safe_globals() -> Iterator[None]:
+    """torch's weights-only allow-list extended by :data:`SAFE_GLOBALS`, one thread at a time.
+
+    ``torch.serialization.safe_globals`` changes a process-wide list and
+    restores it on exit: one writer thread leaving it would take the entries
+    away from another still loading. Loads onto the meta device read only
+    pickles, so holding the lock costs little.
+    """
+    import torch
+
+    with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
+        yield
 
 
 def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
@@ -179,7 +234,7 @@ def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
         if trust_pickles:
             warnings.warn(f"{where}: loading with full unpickling (--trust-pickles): it can run code")
             return torch.load(f, map_location="meta", weights_only=False)
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with safe_globals():
             return torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)

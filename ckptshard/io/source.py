@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..layout.chunking import padding
 from ..layout.model import Part, ShardedLayout, layout_from_metadata
 from .containers import Container, PartSpec, detect
 from .discover import ShardFiles, find_shards
@@ -182,7 +184,52 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
                 )
             if not ref.contiguous:
                 raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is not stored contiguously")
+        for name in part.stored_buffers:
+            if (sd[name].shape, sd[name].dtype) != (sds[0][name].shape, sds[0][name].dtype):
+                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} is {sd[name].dtype} "
+                                      f"{list(sd[name].shape)}, rank 0 has {sds[0][name].dtype} "
+                                      f"{list(sds[0][name].shape)}")
+    check_padding_zero(part, sds, files.paths)
     return part
+
+
+def _nonzero(raw: bytes, itemsize: int, floating: bool) -> bool:
+    """True if ``raw`` (little-endian elements) holds a value other than zero (or, for floats, -0.0)."""
+    if not floating:
+        return any(raw)
+    return any(b & 0x7F if i % itemsize == itemsize - 1 else b for i, b in enumerate(raw))
+
+
+def check_padding_zero(part: Part, sds: List[Mapping[str, TensorRef]], paths: Tuple[str, ...]) -> None:
+    """Refuse a shard whose padding holds values: FSDP pads with zeros, which training keeps zero.
+
+    Metadata that lies about where the padding starts (a member made
+    smaller, the padding made larger by as much) is self-consistent
+    arithmetic; only the data shows it, as values where padding should be.
+    """
+    world = len(sds)
+    for r, sd in enumerate(sds):
+        fd = None
+        try:
+            for inst, fp in part.flat_params():
+                pad = 0 if inst.no_broadcast_optim_state else padding(fp.numel, world, r)
+                if not pad:
+                    continue
+                ref = sd[inst.local_key(fp)]
+                if fd is None:
+                    fd = os.open(ref.path, os.O_RDONLY)
+                start = ref.offset + (ref.numel - pad) * ref.itemsize
+                raw = os.pread(fd, pad * ref.itemsize, start)
+                if len(raw) < pad * ref.itemsize:
+                    raise CheckpointError(f"{paths[r]}: truncated: tensor data ends early at byte {start + len(raw)}")
+                if _nonzero(raw, ref.itemsize, "float" in str(ref.dtype)):
+                    raise CheckpointError(
+                        f"{paths[r]} [{part.label}]: {inst.local_key(fp)}: its last {pad} elements are padding "
+                        "by the metadata but hold values: the metadata's names, shapes or padding do not "
+                        "describe this data")
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 def fingerprint(ckpt: ShardedCheckpoint) -> str:

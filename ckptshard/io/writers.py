@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from .atomic import open_empty, preallocate
 from .fill import MAP_MIN, Copier, Fill, Progress
 from .hashing import Hashes
-from .safe_load import SAFE_GLOBALS, TensorRef
+from .safe_load import TensorRef, safe_globals
 from .tree import leaves, map_leaves
 from .pickle_reader import Unsupported
 from .torch_save import Skeleton, lay_out_zip, write_laid_out
@@ -67,6 +67,26 @@ def _fills_in(tree: Any) -> List[Fill]:
 
 def tree_nbytes(tree: Any) -> int:
     return sum(f.nbytes for f in _fills_in(tree))
+
+
+RECORD_OVERHEAD = 512  # bytes a tensor adds to a torch.save zip beyond its data: headers, alignment, pickle
+FILE_OVERHEAD = 4096  # and a file: its other records and the central directory's end
+
+
+def torch_file_size_bound(tree: Any) -> int:
+    """An upper estimate of the bytes ``write_torch(tree)`` puts on disk: data, pickle and zip framing.
+
+    Carried values (a framework's args, RNG states) can outweigh the tensors of a small shard many times
+    over; they are pickled here with each tensor as a small placeholder.
+    """
+    import pickle
+
+    fills = _fills_in(tree)
+    try:
+        carried = len(pickle.dumps(map_leaves(tree, lambda x: None if isinstance(x, Fill) else x), protocol=2))
+    except Exception:  # a value only torch's pickler handles: count it generously
+        carried = 1 << 20
+    return sum(f.nbytes for f in fills) + RECORD_OVERHEAD * len(fills) + carried + FILE_OVERHEAD
 
 
 def tree_pieces(tree: Any) -> int:
@@ -213,7 +233,7 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
     if trust_pickles:
         placed = torch.load(path, map_location="meta", weights_only=False)
     else:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with safe_globals():
             placed = torch.load(path, map_location="meta", weights_only=True)
     targets: Dict[int, Tuple[int, Fill]] = {}
     for (p1, leaf), (p2, meta) in zip(leaves(tree), leaves(placed)):

@@ -207,6 +207,14 @@ def part_from_metadata(label: str, prefix: str, md: Mapping[str, Any], dtypes: M
     if not isinstance(md, Mapping) or "param_metadata" not in md:
         raise CheckpointError(f"{where}: metadata has no param_metadata")
     instances = tuple(_instance_from_metadata(e, dtypes, where) for e in md["param_metadata"])
+    seen = set()
+    for inst in instances:
+        for fp in inst.flat_params:
+            for m in fp.members:
+                name = prefix + inst.logical_name(m.name)
+                if name in seen:
+                    raise CheckpointError(f"{where}: parameter {name!r} is listed twice in the FSDP metadata")
+                seen.add(name)
     return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md.get("buffer_names", [])),
                 stored_order=tuple(dtypes))
 

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
 from ..io.fill import Fill, Source, whole
-from ..io.safe_load import TensorRef
+from ..io.safe_load import TensorRef, read_scalars
 from ..io.source import ShardedCheckpoint
 from ..io.tree import copy_tree, map_leaves
 from ..layout.model import FlatParam, FsdpInstance, Part
@@ -207,8 +207,40 @@ def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]
                         f"{part.prefix}{inst.local_key(fp)} holds {want} per rank "
                         "(parameter order differs, or state of another shape)"
                     )
+    check_ranks_agree(ckpt)
     ckpt.memo[("check_optimizer", by_name)] = tuple(index)
     return index
+
+
+def _comparable(tree: Any) -> Any:
+    """``tree`` with tensors as (dtype, shape): what must agree between ranks, not where it is stored."""
+    return map_leaves(tree, lambda x: ("tensor", str(x.dtype), x.shape) if isinstance(x, TensorRef) else x)
+
+
+def _steps(osd: Mapping[str, Any]) -> Dict[Any, Any]:
+    """Each state entry's ``step``, as a number (0-dim tensors read from the file)."""
+    steps = {pid: e["step"] for pid, e in osd["state"].items() if "step" in e}
+    refs = [(pid, v) for pid, v in steps.items() if isinstance(v, TensorRef) and v.numel == 1]
+    for (pid, _), value in zip(refs, read_scalars([v for _, v in refs])):
+        steps[pid] = float(value)
+    return {pid: float(v) if isinstance(v, (int, float)) else v for pid, v in steps.items()}
+
+
+def check_ranks_agree(ckpt: ShardedCheckpoint) -> None:
+    """Refuse optimizer state whose replicated values differ between ranks: the param groups
+    (learning rates, weight decay...) and every entry's ``step``. Consolidating or resharding keeps
+    one rank's copy; a disagreement means shards of different runs or a damaged file."""
+    groups0, steps0 = _comparable(ckpt.optimizer_state(0)["param_groups"]), _steps(ckpt.optimizer_state(0))
+    for r in range(1, ckpt.world_size):
+        osd = ckpt.optimizer_state(r)
+        where = f"{ckpt.files.paths[r]}: optimizer"
+        if _comparable(osd["param_groups"]) != groups0:
+            raise CheckpointError(f"{where}: param_groups differ from rank 0's")
+        steps = _steps(osd)
+        for pid in sorted(set(steps0) | set(steps), key=str):
+            if steps.get(pid) != steps0.get(pid):
+                raise CheckpointError(f"{where}: state[{pid}]['step'] is {steps.get(pid)}, "
+                                      f"rank 0's is {steps0.get(pid)}")
 
 
 def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Optional[Dict[str, Any]]:
