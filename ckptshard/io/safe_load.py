@@ -192,6 +192,8 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
             pass
     if not zipfile.is_zipfile(path):
         try:  # the legacy format: torch can only load it whole, the torch-free reader lazily
+            if trust_pickles:
+                warnings.warn(f"{path}: loading with full unpickling (--trust-pickles): it can run code")
             return read_torch_legacy(path, trust_pickles)
         except Unsupported as e:
             hint = "" if trust_pickles else "; if it holds other Python objects and you trust it, pass --trust-pickles"
