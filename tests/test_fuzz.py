@@ -206,3 +206,109 @@ def test_mutated_dcp(fixtures, tmp_path, case):
         return
     theirs = _torch_reads_dcp(src, tmp_path)
     assert equal(torch.load(out_dir / "m.pt", weights_only=True), theirs), f"{kind}: differs from torch's reading"
+
+
+HOSTILE_CASES = 40
+
+
+def _deep(rng, paths, container):
+    import sys
+
+    depth = rng.randint(101, 600)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)  # torch.save recurses per level
+    try:
+        p = rng.choice(paths)
+        obj = torch.load(p, weights_only=True)
+        x = []
+        for _ in range(depth):
+            x = [x] if rng.random() < 0.5 else {"k": x}
+        obj["deep"] = x
+        torch.save(obj, p)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _bomb(rng, paths, container):
+    import zipfile
+
+    p = rng.choice(paths)
+    with zipfile.ZipFile(p) as zf:
+        records = [(i.filename, zf.read(i.filename)) for i in zf.infolist()]
+    packed = rng.choice([n for n, _ in records])
+    with zipfile.ZipFile(p, "w") as zf:
+        for n, raw in records:
+            zf.writestr(n, raw + (bytes(rng.randint(1, 32) << 20) if n == packed else b""),
+                        zipfile.ZIP_DEFLATED if n == packed else zipfile.ZIP_STORED)
+
+
+def _flat_infos(obj, container):
+    return [(e, k, fp) for e in obj[META[container]]["param_metadata"] for k, fp in e["params"].items()]
+
+
+def _duplicate_name(rng, paths, container):
+    objs = [torch.load(p, weights_only=True) for p in paths]
+    choices = [(i, j, k) for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
+               for j in range(len(fp["names"])) for k in range(len(fp["names"]))
+               if j != k and list(fp["shapes"][j]) == list(fp["shapes"][k])]
+    i, j, k = rng.choice(choices)
+    for obj, p in zip(objs, paths):  # every rank agrees: only the names lie
+        fp = _flat_infos(obj, container)[i][2]
+        fp["names"][k] = fp["names"][j]
+        torch.save(obj, p)
+
+
+def _padding_lie(rng, paths, container):
+    from ckptshard.layout.chunking import padding
+
+    objs = [torch.load(p, weights_only=True) for p in paths]
+    choices = [(i, j) for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
+               if sum(fp["numels"]) % WS == 0 for j, s in enumerate(fp["shapes"]) if len(s) == 1 and s[0] > 1]
+    i, j = rng.choice(choices)
+    for r, (obj, p) in enumerate(zip(objs, paths)):  # self-consistent: sizes and paddings all add up
+        fp = _flat_infos(obj, container)[i][2]
+        fp["shapes"][j] = torch.Size([fp["shapes"][j][0] - 1])
+        fp["numels"][j] -= 1
+        fp["padding"] = padding(sum(fp["numels"]), WS, r)
+        torch.save(obj, p)
+
+
+def _duplicate_record(rng, paths, container):
+    from test_hostile import _with_duplicate_record
+
+    _with_duplicate_record(rng.choice(paths))
+
+
+HOSTILE = {"nesting": _deep, "bomb": _bomb, "duplicate-name": _duplicate_name, "padding-lie": _padding_lie,
+           "duplicate-record": _duplicate_record}
+
+
+@pytest.mark.parametrize("case", range(HOSTILE_CASES))
+def test_hostile_mutation(fixtures, tmp_path, case):
+    """Crafted rather than damaged: deep nesting, a compressed record, a name listed twice, padding that
+    lies, a record named twice. Each is refused in one line with nothing written, by both readers."""
+    rng = random.Random(20_000 + case)
+    container = ["fairseq", "metaseq"][case % 2]
+    kind = sorted(HOSTILE)[case % len(HOSTILE)]
+    src = tmp_path / "src"
+    shutil.copytree(fixtures[WS] / container, src)
+    HOSTILE[kind](rng, [src / NAMES[container].format(r) for r in range(WS)], container)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    for torch_reader in ("", "1"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CKPTSHARD_TORCH_READER", torch_reader) if torch_reader else mp.delenv(
+                "CKPTSHARD_TORCH_READER", raising=False)
+            for run in (lambda: consolidate(str(src), str(out_dir / "full.pt"), optimizer=True, progress=False),
+                        lambda: reshard(str(src), str(out_dir / "r"), 2, progress=False)):
+                try:
+                    run()
+                except CheckpointError as e:
+                    assert str(e) and "\n" not in str(e)
+                    assert list(out_dir.iterdir()) == [], f"{kind}: files left after an error"
+                    continue
+                # Accepted only where the lie changes nothing: a value moved into the padding that is zero.
+                assert kind == "padding-lie", f"{kind}: accepted"
+                got = torch.load(out_dir / "full.pt", weights_only=True)
+                assert equal(got, reference(src, container)), f"{kind}: wrong output written"
+                return
