@@ -16,8 +16,8 @@ from ckptshard.execute.reshard import reshard
 from ckptshard.execute.verify import verify
 
 
-def copy_fixture(fixtures, tmp_path, ws=3, container="fairseq"):
-    dst = tmp_path / "src"
+def copy_fixture(fixtures, tmp_path, ws=3, container="fairseq", name="src"):
+    dst = tmp_path / name
     shutil.copytree(fixtures[ws] / container, dst)
     return dst
 

@@ -22,20 +22,9 @@ from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard, shard
 from ckptshard.execute.verify import verify
+from test_bad_input import copy_fixture, edit
 
 SHARD = "checkpoint_last-shard{}.pt"
-
-
-def copy_fixture(fixtures, tmp_path, ws=3, container="fairseq", name="src"):
-    dst = tmp_path / name
-    shutil.copytree(fixtures[ws] / container, dst)
-    return dst
-
-
-def edit(path, fn):
-    obj = torch.load(path, weights_only=False)
-    fn(obj)
-    torch.save(obj, path)
 
 
 def cli(*args, env=None, timeout=120, cwd=None):

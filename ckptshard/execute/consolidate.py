@@ -14,7 +14,16 @@ from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..io.safe_load import TensorRef
 from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..io.tree import copy_tree, get_path, map_leaves, set_path
-from ..io.writers import safetensors_index_plan, tree_nbytes, write_index_json, write_safetensors, write_torch
+from ..io.writers import (
+    FILE_OVERHEAD,
+    RECORD_OVERHEAD,
+    safetensors_index_plan,
+    torch_file_size_bound,
+    tree_nbytes,
+    write_index_json,
+    write_safetensors,
+    write_torch,
+)
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
@@ -171,6 +180,13 @@ def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source:
     hashes.moved(tmp, out)
 
 
+def full_size_bound(fmt: str, tree: Any) -> int:
+    """An upper estimate of the bytes a full state dict takes on disk: data, and each format's framing."""
+    if fmt == "torch":
+        return torch_file_size_bound(tree)
+    return sum(f.nbytes for f in tree.values()) + RECORD_OVERHEAD * len(tree) + FILE_OVERHEAD
+
+
 def optimizer_path(out: str) -> str:
     stem = out[: -len(os.path.splitext(out)[1])] if os.path.splitext(out)[1] else out.rstrip("/")
     return stem + ".optim.pt"
@@ -224,12 +240,13 @@ def consolidate(
         run_checked(lambda: check_output(opt_out, overwrite, inputs))
     # Tied tensors count twice: safetensors stores each copy.
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    run_checked(lambda: check_space(out, total))
+    tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
+    on_disk = full_size_bound(fmt, tree) + (torch_file_size_bound(optim) if opt_out is not None else 0)
+    run_checked(lambda: check_space(out, on_disk))
     outputs: List[str] = []
     source = source_info(ckpt)  # fingerprinted once, for every manifest
     lead = leads()  # under torchrun rank 0 reports and writes the single files
     with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
-        tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
         write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles,
                    hashes, jobs)
         outputs.append(out)

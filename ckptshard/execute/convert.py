@@ -19,7 +19,7 @@ from ..io.fill import Copier, Progress, is_tensor
 from ..io.hashing import Hashes
 from ..io.manifest import MANIFEST, build_manifest, write_json
 from ..io.source import open_checkpoint
-from ..io.writers import tree_nbytes
+from ..io.writers import FILE_OVERHEAD, RECORD_OVERHEAD, tree_nbytes
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
     OPTIM,
@@ -35,6 +35,7 @@ from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
 from .consolidate import (
     check_parallel,
     consolidate,
+    full_size_bound,
     output_format,
     source_info,
     write_file_manifest,
@@ -127,12 +128,18 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
     if world is not None:
         _dcp_across_ranks(plan, out, overwrite, source_info(ckpt), *world)
         return ConvertResult([out], len(weights), plan.nbytes)
-    check_space(out, plan.nbytes)
+    check_space(out, dcp_size_bound(plan))
     with progress_bar(plan.nbytes, "convert -> dcp", progress) as tick, \
             atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
         names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
         write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", None, digests))
     return ConvertResult([out], len(weights), plan.nbytes)
+
+
+def dcp_size_bound(plan: Any) -> int:
+    """An upper estimate of a DCP folder's bytes: data, each chunk's torch.save frame, and .metadata."""
+    chunks = sum(len(e.chunks) for e in plan.entries.values() if hasattr(e, "chunks"))
+    return plan.nbytes + (RECORD_OVERHEAD + FILE_OVERHEAD) * chunks + FILE_OVERHEAD * (1 + len(plan.entries))
 
 
 def _write_data_file_hashed(path: str, items: List[Any], tick: Optional[Progress] = None
@@ -173,7 +180,7 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
         digests = {names[i]: done[i][1] for i in done}
         write_json(os.path.join(folder, MANIFEST), build_manifest(folder, written, source, "convert", None, digests))
 
-    write_folder_across_ranks(out, overwrite, plan.nbytes, rank, world, share, finish)
+    write_folder_across_ranks(out, overwrite, dcp_size_bound(plan), rank, world, share, finish)
 
 
 def _dcp_source_info(d: "DcpCheckpoint") -> Dict[str, Any]:
@@ -206,7 +213,7 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
         tree = transform(tensors, select, strip_prefix, renames, cast_dtype(dtype))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
-    run_checked(lambda: check_space(out, total))
+    run_checked(lambda: check_space(out, full_size_bound(fmt, tree)))
     source = _dcp_source_info(d)
     with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress and leads()) as tick:
         write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes,

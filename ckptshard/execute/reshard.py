@@ -48,11 +48,14 @@ def shard_list_name(ckpt: ShardedCheckpoint) -> str:
     return (head[: -len("_shard")] if head.endswith("_shard") else head.rstrip("_-")) + ckpt.files.tail
 
 
+MANIFEST_ENTRY = 256  # bytes a file's line in the manifest takes, at most for any sane name
+
+
 def _sizes(trees: "Sequence[Any] | PlannedFiles") -> Tuple[int, int]:
-    """(tensor bytes, an upper estimate of the bytes on disk) of every rank file."""
+    """(tensor bytes, the bytes on disk or an upper estimate) of every rank file and the manifest."""
     if isinstance(trees, PlannedFiles):
-        return trees.nbytes * trees.count, torch_file_size_bound(trees.first) * trees.count
-    return sum(tree_nbytes(t) for t in trees), sum(torch_file_size_bound(t) for t in trees)
+        return trees.nbytes * trees.count, (torch_file_size_bound(trees.first) + MANIFEST_ENTRY) * trees.count
+    return sum(tree_nbytes(t) for t in trees), sum(torch_file_size_bound(t) + MANIFEST_ENTRY for t in trees)
 
 
 def write_rank_files(

@@ -74,16 +74,24 @@ FILE_OVERHEAD = 4096  # and a file: its other records and the central directory'
 
 
 def torch_file_size_bound(tree: Any) -> int:
-    """An upper estimate of the bytes ``write_torch(tree)`` puts on disk: data, pickle and zip framing.
+    """The bytes ``write_torch(tree)`` puts on disk (data, pickle, zip framing), or an upper estimate.
 
-    Carried values (a framework's args, RNG states) can outweigh the tensors of a small shard many times
-    over; they are pickled here with each tensor as a small placeholder.
+    Carried values (a framework's args, RNG states) can outweigh the tensors
+    of a small shard many times over. Where the tree was read without torch
+    its file is laid out here as it will be written, so the size is exact;
+    otherwise the pickle is measured with each tensor as a placeholder.
     """
     import pickle
 
     fills = _fills_in(tree)
+    if all(isinstance(f.dtype, StoredDType) for f in fills):
+        try:
+            return lay_out_zip(tree).end
+        except Unsupported:
+            pass
     try:
-        carried = len(pickle.dumps(map_leaves(tree, lambda x: None if isinstance(x, Fill) else x), protocol=2))
+        plain = map_leaves(tree, lambda x: None if isinstance(x, Fill) else tuple(x) if isinstance(x, Size) else x)
+        carried = len(pickle.dumps(plain, protocol=2))
     except Exception:  # a value only torch's pickler handles: count it generously
         carried = 1 << 20
     return sum(f.nbytes for f in fills) + RECORD_OVERHEAD * len(fills) + carried + FILE_OVERHEAD
