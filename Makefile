@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,7 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python scripts/demo.py
 
-test: setup
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 bench: setup

@@ -1,4 +1,5 @@
 """The ``ckptshard`` command line: thin wrappers over the library."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ from typing import Any, Callable, Optional
 
 import click
 
-from . import __version__
 from .errors import CheckpointError
-from .io.durability import ENV as DURABILITY_ENV
+from .osio.durability import ENV as DURABILITY_ENV
+from .version import __version__
 
 
 class BadInput(click.ClickException):
@@ -43,8 +44,9 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _one_line_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
-                      line: Optional[str] = None) -> None:
+def _one_line_warning(
+    message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Optional[str] = None
+) -> None:
     # A user of the command needs the message, not the library line that raised it.
     click.echo(f"warning: {message}", err=True)
 
@@ -95,24 +97,35 @@ def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
 
 
 # --jobs 0: chosen from the plan (execute/parallel.py: auto_processes).
-AUTO_JOBS = ("0 (the default) chooses: up to one process per core, two files each, where there are 4 files or "
-             "more, copied in runs under 4 MiB on average (optimizer state, many FSDP instances), 1 GiB or "
-             "5,000 runs in all; else 1. ")
+AUTO_JOBS = (
+    "0 (the default) chooses: up to one process per core, two files each, where there are 4 files or "
+    "more, copied in runs under 4 MiB on average (optimizer state, many FSDP instances), 1 GiB or "
+    "5,000 runs in all; else 1. "
+)
 
 common_no_fsync = click.option(
-    "--no-fsync", is_flag=True, expose_value=False, callback=_no_fsync,
+    "--no-fsync",
+    is_flag=True,
+    expose_value=False,
+    callback=_no_fsync,
     help="Do not fsync outputs (as cp does): faster, and still renamed into place only when complete, "
-         "but a crash or power loss soon after may lose data the manifest vouches for.")
+    "but a crash or power loss soon after may lose data the manifest vouches for.",
+)
 
 
 def reshape_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """--select, --strip-prefix, --rename: the naming options of every full-state output."""
-    f = click.option("--rename", multiple=True, metavar="FROM=TO",
-                     help="Replace FROM by TO in names, in order (repeatable).")(f)
-    f = click.option("--strip-prefix", multiple=True,
-                     help="Remove this prefix from names (repeatable; the first that matches).")(f)
-    return click.option("--select", multiple=True,
-                        help="Keep only tensors whose name starts with this prefix, e.g. 'trunk.' (repeatable).")(f)
+    f = click.option(
+        "--rename", multiple=True, metavar="FROM=TO", help="Replace FROM by TO in names, in order (repeatable)."
+    )(f)
+    f = click.option(
+        "--strip-prefix", multiple=True, help="Remove this prefix from names (repeatable; the first that matches)."
+    )(f)
+    return click.option(
+        "--select",
+        multiple=True,
+        help="Keep only tensors whose name starts with this prefix, e.g. 'trunk.' (repeatable).",
+    )(f)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -155,34 +168,91 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True))
-@click.option("-o", "--output", "out", required=True, type=click.Path(),
-              help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size.")
-@click.option("--max-shard-size", default=None, help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB).")
-@click.option("--container", is_flag=True, help="Keep the source framework's container (VISSL 'consolidated', fairseq/metaseq 'model' + other keys).")
-@click.option("--optimizer", is_flag=True, help="Also write the full optimizer state (fairscale's gather_full_optim_state_dict format): inside the container, or beside OUT as OUT.optim.pt.")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
-              help="Cast floating-point tensors (integers such as num_batches_tracked are kept).")
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(),
+    help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size.",
+)
+@click.option(
+    "--max-shard-size",
+    default=None,
+    help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB).",
+)
+@click.option(
+    "--container",
+    is_flag=True,
+    help="Keep the source framework's container (VISSL 'consolidated', fairseq/metaseq 'model' + other keys).",
+)
+@click.option(
+    "--optimizer",
+    is_flag=True,
+    help="Also write the full optimizer state (fairscale's gather_full_optim_state_dict format): inside the "
+    "container, or beside OUT as OUT.optim.pt.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16", "bf16"]),
+    default=None,
+    help="Cast floating-point tensors (integers such as num_batches_tracked are kept).",
+)
 @reshape_options
-@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
-              help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
-                   "With 1, one process writes them in one thread per file (at most 4). " + AUTO_JOBS +
-                   "Under torchrun, ranks share the files instead.")
+@click.option(
+    "--jobs",
+    "-j",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 256),
+    help="With --max-shard-size: write the folder's files in this many local processes (same bytes). "
+    "With 1, one process writes them in one thread per file (at most 4). "
+    + AUTO_JOBS
+    + "Under torchrun, ranks share the files instead.",
+)
 @common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional[str], container: bool,
-                optimizer: bool, dtype: Optional[str], select: tuple, strip_prefix: tuple, rename: tuple,
-                jobs: int, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+def consolidate(
+    ctx: click.Context,
+    src: str,
+    out: str,
+    max_shard_size: Optional[str],
+    container: bool,
+    optimizer: bool,
+    dtype: Optional[str],
+    select: tuple,
+    strip_prefix: tuple,
+    rename: tuple,
+    jobs: int,
+    overwrite: bool,
+    trust_pickles: bool,
+    quiet: bool,
+) -> None:
     """Write one full state dict from the shards in SRC, streaming: memory stays
     flat whatever the model's size."""
     from .execute.consolidate import consolidate as run
 
-    res = _run(ctx, lambda: run(src, out, max_shard_size=_size(max_shard_size), container=container,
-                                optimizer=optimizer, overwrite=overwrite, trust_pickles=trust_pickles,
-                                progress=not quiet, select=select, strip_prefix=strip_prefix, rename=rename,
-                                dtype=dtype, jobs=jobs))
+    res = _run(
+        ctx,
+        lambda: run(
+            src,
+            out,
+            max_shard_size=_size(max_shard_size),
+            container=container,
+            optimizer=optimizer,
+            overwrite=overwrite,
+            trust_pickles=trust_pickles,
+            progress=not quiet,
+            select=select,
+            strip_prefix=strip_prefix,
+            rename=rename,
+            dtype=dtype,
+            jobs=jobs,
+        ),
+    )
     if _leads():
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
         for note in res.notes:
@@ -193,81 +263,186 @@ def consolidate(ctx: click.Context, src: str, out: str, max_shard_size: Optional
 @click.argument("src", type=click.Path(exists=True))
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
-@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
-              help="Write output files in this many local processes (same bytes). With 1, one process writes them in "
-                   "one thread per file (at most 4). " + AUTO_JOBS + "Under torchrun, ranks share the files instead.")
-@click.option("--no-optimizer", is_flag=True,
-              help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).")
+@click.option(
+    "--jobs",
+    "-j",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 256),
+    help="Write output files in this many local processes (same bytes). With 1, one process writes them in "
+    "one thread per file (at most 4). " + AUTO_JOBS + "Under torchrun, ranks share the files instead.",
+)
+@click.option(
+    "--no-optimizer",
+    is_flag=True,
+    help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).",
+)
 @common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def reshard(ctx: click.Context, src: str, world_size: int, dst: str, jobs: int, no_optimizer: bool, overwrite: bool,
-            trust_pickles: bool, quiet: bool) -> None:
+def reshard(
+    ctx: click.Context,
+    src: str,
+    world_size: int,
+    dst: str,
+    jobs: int,
+    no_optimizer: bool,
+    overwrite: bool,
+    trust_pickles: bool,
+    quiet: bool,
+) -> None:
     """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
     exactly as FSDP at that world size would have saved them, in the same
     container and file naming."""
     from .execute.reshard import reshard as run
 
-    res = _run(ctx, lambda: run(src, dst, world_size, overwrite=overwrite, trust_pickles=trust_pickles,
-                                progress=not quiet, jobs=jobs, optimizer=not no_optimizer))
+    res = _run(
+        ctx,
+        lambda: run(
+            src,
+            dst,
+            world_size,
+            overwrite=overwrite,
+            trust_pickles=trust_pickles,
+            progress=not quiet,
+            jobs=jobs,
+            optimizer=not no_optimizer,
+        ),
+    )
     if _leads():
         click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
 @main.command()
 @click.argument("full", type=click.Path(exists=True))
-@click.option("--like", required=True, type=click.Path(exists=True),
-              help="A sharded checkpoint whose FSDP wrapping (instances, flattening, order) and container to follow.")
+@click.option(
+    "--like",
+    required=True,
+    type=click.Path(exists=True),
+    help="A sharded checkpoint whose FSDP wrapping (instances, flattening, order) and container to follow.",
+)
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
 @click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the shards.")
-@click.option("--optimizer", "optim", type=click.Path(exists=True), default=None,
-              help="A full optimizer state (from consolidate --optimizer, or gather_full_optim_state_dict) to shard too.")
+@click.option(
+    "--optimizer",
+    "optim",
+    type=click.Path(exists=True),
+    default=None,
+    help="A full optimizer state (from consolidate --optimizer, or gather_full_optim_state_dict) to shard too.",
+)
 @common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def shard(ctx: click.Context, full: str, like: str, world_size: int, dst: str, optim: Optional[str],
-          overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+def shard(
+    ctx: click.Context,
+    full: str,
+    like: str,
+    world_size: int,
+    dst: str,
+    optim: Optional[str],
+    overwrite: bool,
+    trust_pickles: bool,
+    quiet: bool,
+) -> None:
     """Shard a full state dict FULL (.pt, .safetensors, or an index folder) for
     --world-size ranks, wrapped as the checkpoint --like is. Names and shapes
     must match its plan exactly; mismatches are listed and nothing is written."""
     from .execute.reshard import shard as run
 
-    res = _run(ctx, lambda: run(full, like, dst, world_size, optimizer=optim, overwrite=overwrite,
-                                trust_pickles=trust_pickles, progress=not quiet))
+    res = _run(
+        ctx,
+        lambda: run(
+            full,
+            like,
+            dst,
+            world_size,
+            optimizer=optim,
+            overwrite=overwrite,
+            trust_pickles=trust_pickles,
+            progress=not quiet,
+        ),
+    )
     click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
 
 
 @main.command()
 @click.argument("src", type=click.Path(exists=True))
-@click.option("--to", "to", required=True, type=click.Choice(["dcp", "torch", "safetensors", "fairscale"]),
-              help="dcp: a torch.distributed.checkpoint folder (FSDP2 loads it at any world size); torch/safetensors: "
-                   "one full state dict; fairscale: N shards (with --world-size, and --like for a DCP source).")
-@click.option("-o", "--output", "out", required=True, type=click.Path(),
-              help="Folder (dcp, fairscale, or safetensors with --max-shard-size) or file (.pt, .safetensors).")
-@click.option("--like", type=click.Path(exists=True), default=None,
-              help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow.")
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Choice(["dcp", "torch", "safetensors", "fairscale"]),
+    help="dcp: a torch.distributed.checkpoint folder (FSDP2 loads it at any world size); torch/safetensors: "
+    "one full state dict; fairscale: N shards (with --world-size, and --like for a DCP source).",
+)
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(),
+    help="Folder (dcp, fairscale, or safetensors with --max-shard-size) or file (.pt, .safetensors).",
+)
+@click.option(
+    "--like",
+    type=click.Path(exists=True),
+    default=None,
+    help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow.",
+)
 @click.option("--world-size", "-n", type=int, default=None, help="--to fairscale: number of ranks.")
-@click.option("--no-optimizer", is_flag=True, help="Leave optimizer state out (it is converted by default where present).")
-@click.option("--max-shard-size", default=None, help="safetensors: a folder of index-sharded files of at most this size (e.g. 5GB).")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
-              help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).")
+@click.option(
+    "--no-optimizer", is_flag=True, help="Leave optimizer state out (it is converted by default where present)."
+)
+@click.option(
+    "--max-shard-size",
+    default=None,
+    help="safetensors: a folder of index-sharded files of at most this size (e.g. 5GB).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16", "bf16"]),
+    default=None,
+    help="Cast floating-point weights (integers such as num_batches_tracked are kept; optimizer state is not cast).",
+)
 @reshape_options
-@click.option("--jobs", "-j", default=0, show_default=True, type=click.IntRange(0, 256),
-              help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
-                   "local processes (same bytes). With 1, one process writes them in one thread per file (at most 4). "
-                   + AUTO_JOBS + "Under torchrun, ranks share the files instead.")
+@click.option(
+    "--jobs",
+    "-j",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 256),
+    help="--to dcp, fairscale, or safetensors with --max-shard-size: write the output's files in this many "
+    "local processes (same bytes). With 1, one process writes them in one thread per file (at most 4). "
+    + AUTO_JOBS
+    + "Under torchrun, ranks share the files instead.",
+)
 @common_no_fsync
 @common_overwrite
 @common_trust
 @common_quiet
 @click.pass_context
-def convert(ctx: click.Context, src: str, to: str, out: str, like: Optional[str], world_size: Optional[int],
-            no_optimizer: bool, max_shard_size: Optional[str], dtype: Optional[str], select: tuple,
-            strip_prefix: tuple, rename: tuple, jobs: int, overwrite: bool, trust_pickles: bool, quiet: bool) -> None:
+def convert(
+    ctx: click.Context,
+    src: str,
+    to: str,
+    out: str,
+    like: Optional[str],
+    world_size: Optional[int],
+    no_optimizer: bool,
+    max_shard_size: Optional[str],
+    dtype: Optional[str],
+    select: tuple,
+    strip_prefix: tuple,
+    rename: tuple,
+    jobs: int,
+    overwrite: bool,
+    trust_pickles: bool,
+    quiet: bool,
+) -> None:
     """Convert SRC (fairscale shards, or a DCP checkpoint folder) to --to.
 
     \b
@@ -280,10 +455,26 @@ def convert(ctx: click.Context, src: str, to: str, out: str, like: Optional[str]
     """
     from .execute.convert import convert as run
 
-    res = _run(ctx, lambda: run(src, out, to, like=like, world_size=world_size, optimizer=not no_optimizer,
-                                max_shard_size=_size(max_shard_size), overwrite=overwrite,
-                                trust_pickles=trust_pickles, progress=not quiet, select=select,
-                                strip_prefix=strip_prefix, rename=rename, dtype=dtype, jobs=jobs))
+    res = _run(
+        ctx,
+        lambda: run(
+            src,
+            out,
+            to,
+            like=like,
+            world_size=world_size,
+            optimizer=not no_optimizer,
+            max_shard_size=_size(max_shard_size),
+            overwrite=overwrite,
+            trust_pickles=trust_pickles,
+            progress=not quiet,
+            select=select,
+            strip_prefix=strip_prefix,
+            rename=rename,
+            dtype=dtype,
+            jobs=jobs,
+        ),
+    )
     if _leads():
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
 
@@ -293,7 +484,7 @@ def convert(ctx: click.Context, src: str, to: str, out: str, like: Optional[str]
 @click.pass_context
 def verify(ctx: click.Context, path: str) -> None:
     """Re-check an output of ckptshard (a folder of shards, or a consolidated
-    file) against its manifest (sizes, SHA-256) and its own metadata.
+    file) against its manifest (sizes, XXH3-128 checksums, every file listed) and its own metadata.
     Exits 2 on any difference."""
     from .execute.verify import verify as run
 
@@ -305,28 +496,71 @@ def verify(ctx: click.Context, path: str) -> None:
 
 @main.command("verify-resume")
 @click.option("--steps", default=6, show_default=True, help="Training steps of the uninterrupted run.")
-@click.option("--ckpt-step", default=3, show_default=True, help="Step after which the checkpoint is taken and resumed from.")
+@click.option(
+    "--ckpt-step", default=3, show_default=True, help="Step after which the checkpoint is taken and resumed from."
+)
 @click.option("--scenario", "names", multiple=True, help="Run only scenarios whose name contains this (repeatable).")
-@click.option("--reshard", "extra", multiple=True, metavar="M->N", help="Add a scenario: train at M ranks, reshard, resume at N (repeatable).")
-@click.option("--container", type=click.Choice(["fairseq", "metaseq"]), default="fairseq", show_default=True,
-              help="Container the runs save and resume from.")
-@click.option("--variant", type=click.Choice(["fp32", "mixed", "frozen", "groups"]), default=None, help="Precision for every scenario (default: each scenario's own).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
-              help="cpu: gloo with the CPU compat layer; cuda: NCCL, one GPU per rank, no compat layer.")
-@click.option("--work", type=click.Path(), default=None, help="Folder for the runs' checkpoints (default: a temporary one, removed).")
+@click.option(
+    "--reshard",
+    "extra",
+    multiple=True,
+    metavar="M->N",
+    help="Add a scenario: train at M ranks, reshard, resume at N (repeatable).",
+)
+@click.option(
+    "--container",
+    type=click.Choice(["fairseq", "metaseq"]),
+    default="fairseq",
+    show_default=True,
+    help="Container the runs save and resume from.",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(["fp32", "mixed", "frozen", "groups"]),
+    default=None,
+    help="Precision for every scenario (default: each scenario's own).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="cpu: gloo with the CPU compat layer; cuda: NCCL, one GPU per rank, no compat layer.",
+)
+@click.option(
+    "--work",
+    type=click.Path(),
+    default=None,
+    help="Folder for the runs' checkpoints (default: a temporary one, removed).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @click.pass_context
-def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, extra: tuple, container: str,
-                  variant: Optional[str], device: str, work: Optional[str], as_json: bool) -> None:
+def verify_resume(
+    ctx: click.Context,
+    steps: int,
+    ckpt_step: int,
+    names: tuple,
+    extra: tuple,
+    container: str,
+    variant: Optional[str],
+    device: str,
+    work: Optional[str],
+    as_json: bool,
+) -> None:
     """Prove that resuming works: real multi-process FSDP training of a
     VISSL-like model, uninterrupted vs stopped, converted (local shards,
     reshard, consolidate before/after head wrapping) and resumed. Same world
     size must be bit-exact, other world sizes within 1e-5 relative. Exits 1
     on any unexpected result."""
     import dataclasses
-    import tempfile
 
-    from .harness.verify_resume import DEFAULT_SCENARIOS, format_table, reshard_scenario, results_json, run_scenarios
+    from .harness.verify_resume import (
+        DEFAULT_SCENARIOS,
+        format_table,
+        reshard_scenario,
+        results_json,
+    )
+    from .harness.verify_resume import verify_resume as run
 
     added = _run(ctx, lambda: [reshard_scenario(s) for s in extra])
     chosen = [s for s in DEFAULT_SCENARIOS if not (names or added) or any(n in s.name for n in names)] + added
@@ -340,9 +574,9 @@ def verify_resume(ctx: click.Context, steps: int, ckpt_step: int, names: tuple, 
         need = max(max(s.train_ws, s.resume_ws) for s in chosen)
         if torch.cuda.device_count() < need:
             raise BadInput(f"--device cuda needs {need} GPUs, found {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as tmp:
-        results = _run(ctx, lambda: run_scenarios(work or tmp, chosen, steps, ckpt_step, device=device,
-                                                  container=container))
+    results = _run(
+        ctx, lambda: run(chosen, steps=steps, ckpt_step=ckpt_step, device=device, container=container, work=work)
+    )
     click.echo(json.dumps(results_json(results), indent=2) if as_json else format_table(results))
     if not all(r.ok for r in results):
         sys.exit(1)

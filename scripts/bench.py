@@ -30,6 +30,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py --many-instances   # 64 shards x 400 tiny FSDP instances: per-run costs
     .venv/bin/python scripts/bench.py --no-fairscale --only no-fsync --repeat 9   # the 1.2x-cp-r rows, 9 rounds
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,10 +82,13 @@ for rank in range(n):
     local = {}
     for inst in metas[0]["param_metadata"]:
         for key, info in inst["params"].items():
-            flat = torch.cat([full[".".join(x for x in (inst["fsdp_path"], name) if x)].reshape(-1) for name in info["names"]])
+            flat = torch.cat(
+                [full[".".join(x for x in (inst["fsdp_path"], name) if x)].reshape(-1) for name in info["names"]]
+            )
             chunks = list(flat.chunk(n)) + [flat.new_empty(0)] * n
             c = chunks[0].numel()
-            local[".".join(x for x in (inst["fsdp_path"], key) if x)] = F.pad(chunks[rank], [0, c - chunks[rank].numel()]).clone()
+            padded = F.pad(chunks[rank], [0, c - chunks[rank].numel()]).clone()
+            local[".".join(x for x in (inst["fsdp_path"], key) if x)] = padded
     torch.save({"model": local}, f"{out}/checkpoint_last-shard{rank}.pt")
 """
 
@@ -113,6 +117,7 @@ def prefault_bytes(want_gib: float) -> int:
     """``want_gib`` GiB, at most half the free memory, in whole MiB."""
     free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     return int(min(want_gib * 2**30, free // 2)) >> 20 << 20
+
 
 ONLY = re.compile("")  # rows to run (cp -r always runs); set from --only
 
@@ -144,21 +149,31 @@ def run(cmd: List[str], reads: Optional[str] = None) -> Tuple[float, int]:
 def gen(folder: str, size_gib: float, shards: int, optimizer: bool) -> None:
     code = (
         "import sys, torch; from ckptshard.testing.synthetic import write_synthetic, width_for;"
-        f"write_synthetic(sys.argv[1], {shards}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}), optimizer={optimizer})"
+        f"write_synthetic(sys.argv[1], {shards}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}), "
+        f"optimizer={optimizer})"
     )
     subprocess.run([PY, "-c", code, folder], check=True)
 
 
 def _clean(out: str) -> None:
-    for p in (out, out + ".pt", out + ".safetensors", out + ".pt.manifest.json", out + ".safetensors.manifest.json",
-              out + ".optim.pt", out + ".optim.pt.manifest.json"):
+    for p in (
+        out,
+        out + ".pt",
+        out + ".safetensors",
+        out + ".pt.manifest.json",
+        out + ".safetensors.manifest.json",
+        out + ".optim.pt",
+        out + ".optim.pt.manifest.json",
+    ):
         if os.path.isdir(p):
             shutil.rmtree(p)
         elif os.path.exists(p):
             os.unlink(p)
 
 
-def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairscale: bool, repeat: int) -> Dict[str, Tuple[float, int]]:
+def bench_size(
+    work: str, size_gib: float, shards: int, optimizer: bool, fairscale: bool, repeat: int
+) -> Dict[str, Tuple[float, int]]:
     src = os.path.join(work, f"src-{size_gib}g-{shards}{'-adam' if optimizer else ''}")
     if not os.path.isdir(src):
         gen(src, size_gib, shards, optimizer)
@@ -176,42 +191,85 @@ def bench_size(work: str, size_gib: float, shards: int, optimizer: bool, fairsca
         ("ckptshard consolidate -> .pt", ck + ["consolidate", src, "-o", out + ".pt", "-q"]),
         (f"ckptshard reshard {shards}->3", ck + ["reshard", src, "-n", "3", "-o", out, "-q"]),
         # Like cp -r: not fsynced (still renamed into place only when complete).
-        ("ckptshard consolidate -> .safetensors --no-fsync", ck + ["consolidate", src, "-o", out + ".safetensors", "-q", "--no-fsync"]),
+        (
+            "ckptshard consolidate -> .safetensors --no-fsync",
+            ck + ["consolidate", src, "-o", out + ".safetensors", "-q", "--no-fsync"],
+        ),
         ("ckptshard consolidate -> .pt --no-fsync", ck + ["consolidate", src, "-o", out + ".pt", "-q", "--no-fsync"]),
         # With Adam state: every byte cp -r copies is written (weights beside, optimizer in .optim.pt).
-        *([("ckptshard consolidate --optimizer -> .safetensors + .optim.pt --no-fsync",
-            ck + ["consolidate", src, "-o", out + ".safetensors", "--optimizer", "-q", "--no-fsync"]),
-           ("ckptshard consolidate --optimizer -> .pt + .optim.pt --no-fsync",
-            ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"])] if optimizer else []),
+        *(
+            [
+                (
+                    "ckptshard consolidate --optimizer -> .safetensors + .optim.pt --no-fsync",
+                    ck + ["consolidate", src, "-o", out + ".safetensors", "--optimizer", "-q", "--no-fsync"],
+                ),
+                (
+                    "ckptshard consolidate --optimizer -> .pt + .optim.pt --no-fsync",
+                    ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"],
+                ),
+            ]
+            if optimizer
+            else []
+        ),
         (f"ckptshard reshard {shards}->3 --no-fsync", ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
         # The same in 2 processes: no mapping lock or GIL shared by every file's threads (many small pieces).
-        (f"ckptshard reshard {shards}->3 --no-fsync --jobs 2",
-         ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync", "--jobs", "2"]),
+        (
+            f"ckptshard reshard {shards}->3 --no-fsync --jobs 2",
+            ck + ["reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync", "--jobs", "2"],
+        ),
         ("ckptshard convert --to dcp", ck + ["convert", src, "--to", "dcp", "-o", out, "-q"]),
         # Scale-out: a folder of 256 MiB safetensors files, by one process and by two.
-        ("ckptshard consolidate -> 256MiB-file folder", ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "-q"]),
-        ("ckptshard consolidate -> 256MiB-file folder --jobs 2",
-         ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "--jobs", "2", "-q"]),
+        (
+            "ckptshard consolidate -> 256MiB-file folder",
+            ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "-q"],
+        ),
+        (
+            "ckptshard consolidate -> 256MiB-file folder --jobs 2",
+            ck + ["consolidate", src, "-o", out, "--max-shard-size", "256MiB", "--jobs", "2", "-q"],
+        ),
     ]
     if fairscale:
-        cases.insert(1, ("fairscale consolidate_shard_weights + torch.save", [PY, "-c", FAIRSCALE_CONSOLIDATE, src, str(shards), out + ".pt"]))
-        cases.append(("fairscale consolidate + dcp.save (one process)", [PY, "-c", FAIRSCALE_TO_DCP, src, str(shards), out]))
-        cases.append((f"metaseq-style reshard {shards}->3 (consolidate, re-split)", [PY, "-c", METASEQ_RESHARD, src, str(shards), "3", out]))
+        cases.insert(
+            1,
+            (
+                "fairscale consolidate_shard_weights + torch.save",
+                [PY, "-c", FAIRSCALE_CONSOLIDATE, src, str(shards), out + ".pt"],
+            ),
+        )
+        cases.append(
+            ("fairscale consolidate + dcp.save (one process)", [PY, "-c", FAIRSCALE_TO_DCP, src, str(shards), out])
+        )
+        cases.append(
+            (
+                f"metaseq-style reshard {shards}->3 (consolidate, re-split)",
+                [PY, "-c", METASEQ_RESHARD, src, str(shards), "3", out],
+            )
+        )
     # 3 -> 8: from a 3-shard copy made by ckptshard itself.
     three = os.path.join(work, "three")
     shutil.rmtree(three, ignore_errors=True)
     run(ck + ["reshard", src, "-n", "3", "-o", three, "-q"])
     cases.append((f"ckptshard reshard 3->{shards}", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q"]))
-    cases.append((f"ckptshard reshard 3->{shards} --no-fsync", ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"]))
-    cases.append((f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
-                  ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"]))
+    cases.append(
+        (
+            f"ckptshard reshard 3->{shards} --no-fsync",
+            ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync"],
+        )
+    )
+    cases.append(
+        (
+            f"ckptshard reshard 3->{shards} --no-fsync --jobs 2",
+            ck + ["reshard", three, "-n", str(shards), "-o", out, "-q", "--no-fsync", "--jobs", "2"],
+        )
+    )
     results = interleave(cases, repeat, src, out, lambda name, cmd: three if three in cmd else src)
     shutil.rmtree(three)
     return results
 
 
-def interleave(cases: List[Tuple[str, List[str]]], repeat: int, src: str, out: str,
-               reads: Callable[[str, List[str]], str]) -> Dict[str, Tuple[float, int, float]]:
+def interleave(
+    cases: List[Tuple[str, List[str]]], repeat: int, src: str, out: str, reads: Callable[[str, List[str]], str]
+) -> Dict[str, Tuple[float, int, float]]:
     """Every case that ``--only`` keeps (``cp -r`` always), ``repeat`` times, round-robin; per case the median
     wall, peak RSS and fastest wall."""
     cases = [(n, c) for n, c in cases if n == "cp -r" or ONLY.search(n)]
@@ -222,8 +280,10 @@ def interleave(cases: List[Tuple[str, List[str]]], repeat: int, src: str, out: s
         for name, cmd in cases:
             samples[name].append(run(cmd, None if "floor" in name else reads(name, cmd)))
             _clean(out)
-    return {name: (statistics.median(w for w, _ in v), max(r for _, r in v), min(w for w, _ in v))
-            for name, v in samples.items()}
+    return {
+        name: (statistics.median(w for w, _ in v), max(r for _, r in v), min(w for w, _ in v))
+        for name, v in samples.items()
+    }
 
 
 MANY = (64, 400, 0.25)  # shards, FSDP instances, GiB of weights (+ Adam state: 0.75 GiB in all)
@@ -234,18 +294,27 @@ def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
     shards, layers, gib = MANY
     src = os.path.join(work, f"src-many-{shards}x{layers}-adam")
     if not os.path.isdir(src):
-        code = ("import sys; from ckptshard.testing.synthetic import write_synthetic, width_for;"
-                f"write_synthetic(sys.argv[1], {shards}, {layers}, width_for(int({gib} * 2**30), {layers}), optimizer=True)")
+        code = (
+            "import sys; from ckptshard.testing.synthetic import write_synthetic, width_for;"
+            f"write_synthetic(sys.argv[1], {shards}, {layers}, width_for(int({gib} * 2**30), {layers}), optimizer=True)"
+        )
         subprocess.run([PY, "-c", code, src], check=True)
     out = os.path.join(work, "out")
     ck = [PY, "-m", "ckptshard.cli"]
     cases = [
         ("cp -r", ["cp", "-r", src, out]),
-        ("ckptshard reshard 64->48 --no-fsync (default --jobs)", ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync"]),
-        ("ckptshard reshard 64->48 --no-fsync --jobs 1 (threads)",
-         ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync", "--jobs", "1"]),
-        ("ckptshard consolidate --optimizer -> .pt --no-fsync",
-         ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"]),
+        (
+            "ckptshard reshard 64->48 --no-fsync (default --jobs)",
+            ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync"],
+        ),
+        (
+            "ckptshard reshard 64->48 --no-fsync --jobs 1 (threads)",
+            ck + ["reshard", src, "-n", "48", "-o", out, "-q", "--no-fsync", "--jobs", "1"],
+        ),
+        (
+            "ckptshard consolidate --optimizer -> .pt --no-fsync",
+            ck + ["consolidate", src, "-o", out + ".pt", "--optimizer", "-q", "--no-fsync"],
+        ),
     ]
     return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
@@ -253,11 +322,16 @@ def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
 def table(size_gib: float, results: Dict[str, Tuple[float, int]]) -> str:
     cp, _, cp_min = results["cp -r"]
     model = size_gib * 2**30
-    lines = [f"| command ({size_gib:g} GiB) | median wall s | x cp -r | fastest s | fastest x cp -r | peak RSS MiB "
-             "| RSS / model |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| command ({size_gib:g} GiB) | median wall s | x cp -r | fastest s | fastest x cp -r | peak RSS MiB "
+        "| RSS / model |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, (wall, rss, fastest) in results.items():
-        lines.append(f"| {name} | {wall:.2f} | {wall / cp:.2f} | {fastest:.2f} | {fastest / cp_min:.2f} "
-                     f"| {rss / 2**20:.0f} | {rss / model:.2f} |")
+        lines.append(
+            f"| {name} | {wall:.2f} | {wall / cp:.2f} | {fastest:.2f} | {fastest / cp_min:.2f} "
+            f"| {rss / 2**20:.0f} | {rss / model:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -270,16 +344,27 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="runs per command; the median wall time is reported")
     ap.add_argument("--work", default=os.path.join(ROOT, "bench-out"))
     ap.add_argument("--plot", default=None, help="write a size vs time/RSS PNG here")
-    ap.add_argument("--many-instances", action="store_true",
-                    help=f"instead: {MANY[0]} shards of {MANY[1]} small FSDP instances with Adam state "
-                         f"({3 * MANY[2]:g} GiB), resharded to 48 and consolidated: the per-run costs")
-    ap.add_argument("--only", default="", metavar="REGEX",
-                    help="run only the rows whose name matches (cp -r always runs): fewer rows afford more --repeat, "
-                         "e.g. --only 'no-fsync' --repeat 9")
-    ap.add_argument("--prefault-gib", type=float, default=None,
-                    help="memory touched and freed before each timed command (default: 8 GiB or twice the bytes "
-                         "of the size being run, Adam state included, whichever is more; at most half the free "
-                         "memory); 0 turns it off")
+    ap.add_argument(
+        "--many-instances",
+        action="store_true",
+        help=f"instead: {MANY[0]} shards of {MANY[1]} small FSDP instances with Adam state "
+        f"({3 * MANY[2]:g} GiB), resharded to 48 and consolidated: the per-run costs",
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        metavar="REGEX",
+        help="run only the rows whose name matches (cp -r always runs): fewer rows afford more --repeat, "
+        "e.g. --only 'no-fsync' --repeat 9",
+    )
+    ap.add_argument(
+        "--prefault-gib",
+        type=float,
+        default=None,
+        help="memory touched and freed before each timed command (default: 8 GiB or twice the bytes "
+        "of the size being run, Adam state included, whichever is more; at most half the free "
+        "memory); 0 turns it off",
+    )
     args = ap.parse_args()
     global PREFAULT, ONLY
     ONLY = re.compile(args.only)
@@ -287,9 +372,14 @@ def main() -> None:
     os.makedirs(args.work, exist_ok=True)
     # An installed package has its bytecode compiled; an editable one under PYTHONDONTWRITEBYTECODE (as in this
     # project's shell) would compile every module on every run (~0.025 s). Compile once, as pip install does.
-    subprocess.run([PY, "-m", "compileall", "-q", os.path.join(ROOT, "ckptshard")], check=True, stdout=subprocess.DEVNULL)
-    print(f"machine: {os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
-          f"python {sys.version.split()[0]}; warm page cache\n")
+    subprocess.run(
+        [PY, "-m", "compileall", "-q", os.path.join(ROOT, "ckptshard")], check=True, stdout=subprocess.DEVNULL
+    )
+    print(
+        f"machine: {os.cpu_count()} cores, "
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
+        f"python {sys.version.split()[0]}; warm page cache\n"
+    )
     if args.many_instances:
         PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
         print(table(3 * MANY[2], bench_many(args.work, args.repeat)), flush=True)

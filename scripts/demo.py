@@ -4,6 +4,7 @@ load the DCP folder into torch FSDP2 on 2 ranks.
 
 Run from the repository root: ``make demo`` (or ``.venv/bin/python scripts/demo.py``).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,14 @@ def main() -> None:
     run("consolidate", src, "-o", os.path.join(DEMO, "full.safetensors"))
     run("consolidate", src, "-o", os.path.join(DEMO, "full.pt"), "--optimizer")
     run("reshard", src, "--world-size", "3", "-o", os.path.join(DEMO, "resharded-3"))
-    run("reshard", os.path.join(DEMO, "vissl", "model_phase2.torch"), "--world-size", "8", "-o", os.path.join(DEMO, "vissl-8"))
+    run(
+        "reshard",
+        os.path.join(DEMO, "vissl", "model_phase2.torch"),
+        "--world-size",
+        "8",
+        "-o",
+        os.path.join(DEMO, "vissl-8"),
+    )
     run("convert", src, "--to", "dcp", "-o", os.path.join(DEMO, "ckpt.dcp"))
 
     live = torch.load(os.path.join(DEMO, "ref", "full_state_dict.pt"), weights_only=True)

@@ -14,6 +14,7 @@ files again on any machine, and reshards them against real FSDP at other
 world sizes. ``CPU=1`` runs the same on a machine without CUDA (a smoke
 test of this script; the files are then CPU-tagged).
 """
+
 import os
 import socket
 import subprocess
@@ -39,14 +40,21 @@ def worker(rank, ws, p, backend, out, variant):
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{p}", rank=rank, world_size=ws)
     import ckptshard.fsdp.cpu_compat as cc
     import ckptshard.fsdp.wrapping as wr
+
     kw = {"bucket_cap_mb": 0} if backend == "gloo" else {}  # gloo's reduce-scatter takes no 2-D bucket
     if cpu:
         cc.install_cpu_compat(force=True)
         kw = cc.cpu_fsdp_kwargs()
     cc.cpu_fsdp_kwargs = lambda: dict(kw)
     wr.cpu_fsdp_kwargs = lambda: dict(kw)
-    from ckptshard.testing.fixtures import inner, make_optimizer, save_containers, wrap_fixture_model
+    from ckptshard.testing.fixtures import (
+        inner,
+        make_optimizer,
+        save_containers,
+        wrap_fixture_model,
+    )
     from ckptshard.testing.model import VisslLikeModel, local_batch, loss_fn
+
     torch.manual_seed(0)
     root = wrap_fixture_model(VisslLikeModel().to("cpu" if cpu else "cuda"), variant)
     optim = make_optimizer(root.parameters(), variant)
@@ -61,20 +69,32 @@ def worker(rank, ws, p, backend, out, variant):
     full = root.state_dict()
     try:
         full_optim = root.gather_full_optim_state_dict(optim) if ws > 1 else None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"rank {rank}: gather_full_optim_state_dict failed: {e!r}", flush=True)
         full_optim = None
     m = inner(root)
-    save_containers(out, rank, ws, root.local_state_dict(), root.local_metadata_dict(), optim.state_dict(),
-                    m.trunk.local_state_dict(), m.trunk.local_metadata_dict(),
-                    [m.heads[0].local_state_dict()], [m.heads[0].local_metadata_dict()], 3)
+    save_containers(
+        out,
+        rank,
+        ws,
+        root.local_state_dict(),
+        root.local_metadata_dict(),
+        optim.state_dict(),
+        m.trunk.local_state_dict(),
+        m.trunk.local_metadata_dict(),
+        [m.heads[0].local_state_dict()],
+        [m.heads[0].local_metadata_dict()],
+        3,
+    )
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
         torch.save(full, os.path.join(out, "ref", "full_state_dict.pt"))
         if full_optim is not None:
             torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
-        torch.save({"losses": losses, "variant": variant, "world_size": ws, "backend": backend},
-                   os.path.join(out, "ref", "losses.pt"))
+        torch.save(
+            {"losses": losses, "variant": variant, "world_size": ws, "backend": backend},
+            os.path.join(out, "ref", "losses.pt"),
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -98,6 +118,7 @@ def check(folder):
                 sd = torch.load(out, weights_only=True)
             else:
                 from safetensors.torch import load_file
+
                 sd = load_file(out)
             same = sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in full)
             lines.append(f"{c}{ext}: == live state_dict(): {same} ({len(full)} tensors)")
@@ -124,8 +145,9 @@ if __name__ == "__main__":
         out = os.path.join(base, f"{backend}-ws{ws}-{variant}")
         t = time.time()
         try:
-            ctx = mp.start_processes(worker, args=(ws, port(), backend, out, variant), nprocs=ws, join=False,
-                                     start_method="spawn")
+            ctx = mp.start_processes(
+                worker, args=(ws, port(), backend, out, variant), nprocs=ws, join=False, start_method="spawn"
+            )
             while not ctx.join(timeout=1):
                 if time.time() - t > 45:
                     for proc in ctx.processes:

@@ -5,6 +5,7 @@ once per cache key (a hash of the fixture code and library versions) under
 ``$CKPTSHARD_FIXTURE_CACHE`` or the temp folder, and every test compares
 offline against them.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,7 +57,9 @@ def cache_root() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def fixtures(cache_root: pathlib.Path) -> Dict[int, pathlib.Path]:
     """World size -> folder of a real 3-step mixed-precision FSDP run (see ckptshard.testing.fixtures)."""
-    return {w: _once(cache_root / f"mixed-ws{w}", lambda d, w=w: build_fixture(d, w, "mixed")) for w in SOURCE_WORLD_SIZES}
+    return {
+        w: _once(cache_root / f"mixed-ws{w}", lambda d, w=w: build_fixture(d, w, "mixed")) for w in SOURCE_WORLD_SIZES
+    }
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +115,15 @@ def oracles(fixtures, resharded, cache_root, tmp_path_factory):
             folder = fresh / f"{m}to{n}"
             optim = fixtures[m] / "ref" / "full_optim.pt"
             # fairscale cannot gather optimizer state at world size 1: weights-only oracle there.
-            jobs.append({"full": str(fixtures[m] / "ref" / "full_state_dict.pt"),
-                         "full_optim": str(optim) if optim.exists() else None,
-                         "variant": "mixed", "out": str(folder), "candidate": str(resharded[(m, "fairseq", n)])})
+            jobs.append(
+                {
+                    "full": str(fixtures[m] / "ref" / "full_state_dict.pt"),
+                    "full_optim": str(optim) if optim.exists() else None,
+                    "variant": "mixed",
+                    "out": str(folder),
+                    "candidate": str(resharded[(m, "fairseq", n)]),
+                }
+            )
             out[(m, n)] = folder
         build_oracles(n, jobs)
     return out
@@ -138,12 +147,15 @@ def fsdp2_runs(fixtures, next_step_fixture, tmp_path_factory):
     ``dtensors`` a DCP torch wrote from DTensors sharded along dims 0 and 1 on 3 ranks.
     """
     from ckptshard.execute.convert import convert
-    from ckptshard.testing.fsdp2 import load_in_fsdp2, save_sharded_dcp
     from ckptshard.testing.fixtures import STEPS
+    from ckptshard.testing.fsdp2 import load_in_fsdp2, save_sharded_dcp
 
     root = tmp_path_factory.mktemp("fsdp2")
-    sources = {"mixed3": src_of(fixtures[3], "fairseq"), "vissl2": src_of(fixtures[2], "vissl"),
-               "next": src_of(next_step_fixture, "fairseq")}
+    sources = {
+        "mixed3": src_of(fixtures[3], "fairseq"),
+        "vissl2": src_of(fixtures[2], "vissl"),
+        "next": src_of(next_step_fixture, "fairseq"),
+    }
     dcps = {}
     for name, src in sources.items():
         dcps[name] = root / f"{name}.dcp"
@@ -153,8 +165,11 @@ def fsdp2_runs(fixtures, next_step_fixture, tmp_path_factory):
         jobs = []
         for name in ("mixed3", "next") + (("vissl2",) if ws == 2 else ()):
             loaded[(name, ws)] = root / f"{name}-ws{ws}.pt"
-            job = {"dcp": str(dcps[name]), "out": str(loaded[(name, ws)]),
-                   "next_step": STEPS if name == "next" else None}
+            job = {
+                "dcp": str(dcps[name]),
+                "out": str(loaded[(name, ws)]),
+                "next_step": STEPS if name == "next" else None,
+            }
             if name == "mixed3" and ws == 2:
                 job["save"] = str(root / "saved-by-fsdp2.dcp")
             jobs.append(job)

@@ -1,4 +1,5 @@
 """Bad input: clear errors, nothing written; interrupted runs leave nothing that looks complete."""
+
 import json
 import os
 import shutil
@@ -29,8 +30,10 @@ def edit(path, fn):
 
 
 def expect_error(src, needle, tmp_path):
-    for run in (lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False),
-                lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False)):
+    for run in (
+        lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False),
+        lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False),
+    ):
         with pytest.raises(CheckpointError) as e:
             run()
         assert needle in str(e.value), str(e.value)
@@ -58,8 +61,9 @@ def test_metadata_saved_apart_from_the_weights_is_named_as_such(fixtures, tmp_pa
         torch.save(obj["model"], src / f"weights_shard{r}.pt")
         torch.save(obj["fsdp_metadata"], src / f"meta_shard{r}.pt")
     expect_error(src, "FSDP metadata is saved apart from the weights (meta_shard*.pt among", tmp_path)
-    expect_error(src / "weights_shard0.pt", "a local state dict (flat_param_* tensors) without its FSDP metadata",
-                 tmp_path)
+    expect_error(
+        src / "weights_shard0.pt", "a local state dict (flat_param_* tensors) without its FSDP metadata", tmp_path
+    )
 
 
 def test_replicas_of_a_smaller_sharding_are_named_as_such(fixtures, tmp_path):
@@ -67,8 +71,9 @@ def test_replicas_of_a_smaller_sharding_are_named_as_such(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path, ws=2)
     for r in range(2):
         shutil.copy(src / f"checkpoint_last-shard{r}.pt", src / f"checkpoint_last-shard{r + 2}.pt")
-    expect_error(src, "fit 2 ranks: is there a shard file too many, or are these 2 replicas of a 2-rank sharding",
-                 tmp_path)
+    expect_error(
+        src, "fit 2 ranks: is there a shard file too many, or are these 2 replicas of a 2-rank sharding", tmp_path
+    )
 
 
 def test_extra_shard(fixtures, tmp_path):
@@ -97,8 +102,10 @@ def test_shards_from_different_runs(fixtures, half_fixture, tmp_path):
 
 def test_metadata_disagree(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
-    edit(src / "checkpoint_last-shard1.pt",
-         lambda o: o["fsdp_metadata"]["param_metadata"][1]["params"]["flat_param_0"].update(padding=5))
+    edit(
+        src / "checkpoint_last-shard1.pt",
+        lambda o: o["fsdp_metadata"]["param_metadata"][1]["params"]["flat_param_0"].update(padding=5),
+    )
     expect_error(src, "padding 5", tmp_path)
 
 
@@ -136,15 +143,17 @@ def test_wrong_shard_shape(fixtures, tmp_path):
 
 def test_optimizer_entry_of_wrong_size(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
-    edit(src / "checkpoint_last-shard0.pt",
-         lambda o: o["last_optimizer_state"]["state"][1].update(exp_avg=torch.zeros(3)))
+    edit(
+        src / "checkpoint_last-shard0.pt",
+        lambda o: o["last_optimizer_state"]["state"][1].update(exp_avg=torch.zeros(3)),
+    )
     with pytest.raises(CheckpointError, match=r"state\[1\]\['exp_avg'\] has 3 elements"):
         reshard(str(src), str(tmp_path / "o"), 2, progress=False)
     assert not (tmp_path / "o").exists()
 
 
 def test_not_enough_disk_space(fixtures, tmp_path, monkeypatch):
-    import ckptshard.io.atomic as atomic
+    import ckptshard.osio.atomic as atomic
 
     real = os.statvfs
 
@@ -159,7 +168,7 @@ def test_not_enough_disk_space(fixtures, tmp_path, monkeypatch):
 
 
 def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
-    import ckptshard.io.fill as fill
+    import ckptshard.write.copier as fill
 
     calls = {"n": 0}
     real = fill.Copier._copy
@@ -178,7 +187,7 @@ def test_exception_mid_write_leaves_nothing(fixtures, tmp_path, monkeypatch):
 
 def test_outputs_get_the_umasks_permissions_and_temporaries_never_reuse_a_name(tmp_path, monkeypatch):
     """Temporaries are created exclusively (as mkstemp does) but end with the usual permissions, not mkstemp's 0o600."""
-    from ckptshard.io.atomic import atomic_output, new_beside
+    from ckptshard.osio.atomic import atomic_output, new_beside
 
     old = os.umask(0o027)
     try:
@@ -211,7 +220,7 @@ def test_outputs_get_the_umasks_permissions_and_temporaries_never_reuse_a_name(t
 
 
 SLOW_CONSOLIDATE = """
-import os, signal, sys, time, ckptshard.io.fill as fill
+import os, signal, sys, time, ckptshard.write.copier as fill
 # Ctrl-C as in a terminal, even where the test runs in the background (which ignores SIGINT, and so would the child).
 signal.signal(signal.SIGINT, signal.default_int_handler)
 real, reached = fill.Copier._copy, sys.argv[3]
@@ -230,8 +239,18 @@ main()
 def test_signal_mid_write_leaves_nothing(fixtures, tmp_path, sig):
     out_dir, reached = tmp_path / "out", tmp_path / "copying"
     out_dir.mkdir()
-    p = subprocess.Popen([sys.executable, "-c", SLOW_CONSOLIDATE, str(fixtures[2] / "fairseq"),
-                          str(out_dir / "o.safetensors"), str(reached)], stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SLOW_CONSOLIDATE,
+            str(fixtures[2] / "fairseq"),
+            str(out_dir / "o.safetensors"),
+            str(reached),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while not reached.exists() and p.poll() is None and time.time() < deadline:
@@ -258,8 +277,12 @@ def test_manifest_and_verify(fixtures, tmp_path):
     data = bytearray(p.read_bytes())
     data[len(data) // 2] ^= 0xFF
     p.write_bytes(bytes(data))
-    assert verify(str(tmp_path / "r")) == ["checkpoint_last-shard1.pt: checksum differs from the manifest (modified or corrupted)"]
-    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify", str(tmp_path / "r")], capture_output=True, text=True)
+    assert verify(str(tmp_path / "r")) == [
+        "checkpoint_last-shard1.pt: checksum differs from the manifest (modified or corrupted)"
+    ]
+    res = subprocess.run(
+        [sys.executable, "-m", "ckptshard.cli", "verify", str(tmp_path / "r")], capture_output=True, text=True
+    )
     assert res.returncode == 2 and "checksum differs" in res.stderr
 
 
@@ -282,19 +305,23 @@ def test_manifest_digests_are_xxh3_and_older_blake3_and_sha256_manifests_still_v
         mpath.write_text(json.dumps(m))
         assert verify(str(out)) == [], algorithm
         out.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-        assert verify(str(out)) == ["f.safetensors: checksum differs from the manifest (modified or corrupted)"], algorithm
+        assert verify(str(out)) == ["f.safetensors: checksum differs from the manifest (modified or corrupted)"], (
+            algorithm
+        )
     m["files"]["f.safetensors"] = {"bytes": len(data), "md5": "0" * 32}
     mpath.write_text(json.dumps(m))
-    assert verify(str(out)) == ["f.safetensors: the manifest gives no checksum ckptshard knows (xxh3_128, blake3, sha256)"]
+    assert verify(str(out)) == [
+        "f.safetensors: the manifest gives no checksum ckptshard knows (xxh3_128, blake3, sha256)"
+    ]
 
 
 @pytest.mark.parametrize("command", ["consolidate", "reshard"])
 def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_path, monkeypatch, command):
     from click.testing import CliRunner
 
-    import ckptshard.io.writeback as writeback
+    import ckptshard.osio.writeback as writeback
     from ckptshard.cli import main
-    from ckptshard.io.durability import ENV
+    from ckptshard.osio.durability import ENV
 
     calls = []
     real_fsync = os.fsync
@@ -313,6 +340,7 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     fast = CliRunner().invoke(main, args + [str(tmp_path / "b.pt"), "-q", "--no-fsync"])
     assert fast.exit_code == 0, fast.output
     assert calls == [] and os.environ.get(ENV) == "1"
+
     def written(name):  # every output file but the manifests (they name the command), by relative path
         root = tmp_path / name
         files = [root] if root.is_file() else sorted(root.iterdir())

@@ -1,4 +1,5 @@
 """Box arithmetic between DCP chunks and flat ranges, checked against torch indexing."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -1,4 +1,5 @@
 """fairscale's chunk/padding arithmetic, checked against fairscale's own _get_shard."""
+
 from types import SimpleNamespace
 
 import torch

@@ -1,4 +1,5 @@
 """The command line: output, JSON, and one-line errors with exit code 2."""
+
 import json
 import subprocess
 import sys
@@ -6,12 +7,13 @@ import sys
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import load_ref
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "ckptshard.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptshard.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd
+    )
 
 
 def test_inspect_json(fixtures):
@@ -19,13 +21,21 @@ def test_inspect_json(fixtures):
     assert res.returncode == 0, res.stderr
     s = json.loads(res.stdout)
     assert s["container"]["kind"] == "vissl" and s["world_size"] == 3
-    names = [p["name"] for part in s["parts"] for i in part["instances"] for fp in i["flat_params"] for p in fp["params"]]
+    names = [
+        p["name"] for part in s["parts"] for i in part["instances"] for fp in i["flat_params"] for p in fp["params"]
+    ]
     full = load_ref(fixtures[3], "full_state_dict.pt")
     buffers = [b["name"] for part in s["parts"] for b in part["buffers"]]
     tied = [t[1] for part in s["parts"] for i in part["instances"] for t in i["tied"]]
     assert sorted(names + buffers + tied) == sorted(full)
     assert s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
-    gate = [fp for part in s["parts"] for i in part["instances"] for fp in i["flat_params"] if fp["key"] == "gate.flat_param_0"][0]
+    gate = next(
+        fp
+        for part in s["parts"]
+        for i in part["instances"]
+        for fp in i["flat_params"]
+        if fp["key"] == "gate.flat_param_0"
+    )
     assert gate["padding_per_rank"] == [0, 0, 0]  # 3 elements, 3 ranks
 
 
@@ -43,16 +53,21 @@ def test_consolidate_and_reshard_commands(fixtures, tmp_path):
     assert set(got) == set(load_ref(fixtures[2], "full_state_dict.pt"))
     res = cli("reshard", fixtures[2] / "fairseq", "-n", "5", "-o", tmp_path / "r5", "-q")
     assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in (tmp_path / "r5").iterdir()) == ["checkpoint_last-shard{}.pt".format(r) for r in range(5)] + ["ckptshard-manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "r5").iterdir()) == [f"checkpoint_last-shard{r}.pt" for r in range(5)] + [
+        "ckptshard-manifest.json"
+    ]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["inspect", "{tmp}/nothing-here"], "does not exist"),
-    (["consolidate", "{fx}/fairseq", "-o", "{tmp}/out.txt"], "cannot tell the format"),
-    (["consolidate", "{fx}/fairseq", "-o", "{fx}/fairseq/checkpoint_last-shard0.pt"], "overwrite the input"),
-    (["reshard", "{fx}/fairseq", "-n", "0", "-o", "{tmp}/r"], "--world-size must be >= 1"),
-    (["consolidate", "{fx}/fairseq", "-o", "{tmp}/no/such/dir/x.pt"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["inspect", "{tmp}/nothing-here"], "does not exist"),
+        (["consolidate", "{fx}/fairseq", "-o", "{tmp}/out.txt"], "cannot tell the format"),
+        (["consolidate", "{fx}/fairseq", "-o", "{fx}/fairseq/checkpoint_last-shard0.pt"], "overwrite the input"),
+        (["reshard", "{fx}/fairseq", "-n", "0", "-o", "{tmp}/r"], "--world-size must be >= 1"),
+        (["consolidate", "{fx}/fairseq", "-o", "{tmp}/no/such/dir/x.pt"], "does not exist"),
+    ],
+)
 def test_errors_are_one_line_with_exit_2(fixtures, tmp_path, args, needle):
     args = [a.format(tmp=tmp_path, fx=fixtures[2]) for a in args]
     res = cli(*args)
@@ -60,7 +75,9 @@ def test_errors_are_one_line_with_exit_2(fixtures, tmp_path, args, needle):
     assert needle in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     # One error line (click adds its usage hint above argument errors).
-    assert [line for line in res.stderr.splitlines() if line.startswith("Error:")] == [res.stderr.strip().splitlines()[-1]]
+    assert [line for line in res.stderr.splitlines() if line.startswith("Error:")] == [
+        res.stderr.strip().splitlines()[-1]
+    ]
 
 
 def test_existing_output_needs_overwrite_and_only_ckptshard_outputs_are_replaced(fixtures, tmp_path):

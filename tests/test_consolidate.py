@@ -1,4 +1,5 @@
 """consolidate against the live state_dict() and fairscale's consolidate_shard_weights."""
+
 import json
 import os
 import subprocess
@@ -7,10 +8,10 @@ import sys
 import pytest
 import safetensors.torch
 import torch
+from conftest import CONTAINERS, FIXTURE_WORLD_SIZES, load_ref, src_of
 from fairscale.nn import FullyShardedDataParallel as FSDP
 
 from ckptshard.execute.consolidate import consolidate
-from conftest import CONTAINERS, FIXTURE_WORLD_SIZES, load_ref, src_of
 
 TIED = "trunk.embed_out.weight"
 
@@ -38,7 +39,9 @@ def test_consolidated_equals_live_state_dict(fixtures, container, ws, fmt, tmp_p
 def fairscale_offline(folder, ws):
     shards = [torch.load(folder / "fairseq" / f"checkpoint_last-shard{r}.pt", weights_only=True) for r in range(ws)]
     # strict=False: with strict=True it raises KeyError on non-persistent buffers (below).
-    return FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False)
+    return FSDP.consolidate_shard_weights(
+        [s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False
+    )
 
 
 def test_fairscale_offline_strict_fails_on_non_persistent_buffers(fixtures):
@@ -178,8 +181,9 @@ def test_torch_save_outputs_pass_zip_crc_checks(fixtures, tmp_path):
 
     from ckptshard.execute.reshard import reshard
 
-    consolidate(src_of(fixtures[3], "fairseq"), str(tmp_path / "full.pt"), container=True, optimizer=True,
-                progress=False)
+    consolidate(
+        src_of(fixtures[3], "fairseq"), str(tmp_path / "full.pt"), container=True, optimizer=True, progress=False
+    )
     reshard(src_of(fixtures[3], "vissl"), str(tmp_path / "re"), 2, progress=False)
     files = [tmp_path / "full.pt"] + sorted((tmp_path / "re").glob("*shard*.torch"))
     assert len(files) == 3
@@ -195,7 +199,7 @@ def test_record_crc_is_zlibs_crc32_across_buffer_boundaries(tmp_path, monkeypatc
     """The zip CRC comes from isal where installed, else zlib: both must give zlib's value."""
     import zlib
 
-    from ckptshard.io import zip_crc
+    from ckptshard.osio import zip_crc
 
     if impl == "zlib":
         monkeypatch.setattr(zip_crc, "crc32", zlib.crc32)

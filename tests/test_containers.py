@@ -5,18 +5,19 @@ user's own training loop would save them); every result must equal what the
 same data gives in the fairseq container, which the other tests hold to live
 fairscale.
 """
+
 import os
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import src_of
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.inspect import inspect_checkpoint
 from ckptshard.execute.reshard import reshard
-from ckptshard.io.source import open_checkpoint
-from conftest import src_of
+from ckptshard.read.source import open_checkpoint
 
 WS = 3
 
@@ -36,16 +37,23 @@ def docs_style(f, v):
 
 def nested(f, v):
     """A training loop's own names, nested, with the optimizer one level down."""
-    return {"run": {"net": f["model"], "net_fsdp": f["fsdp_metadata"]},
-            "opt": {"adam": f["last_optimizer_state"]}, "step": 3}
+    return {
+        "run": {"net": f["model"], "net_fsdp": f["fsdp_metadata"]},
+        "opt": {"adam": f["last_optimizer_state"]},
+        "step": 3,
+    }
 
 
 def two_roots(f, v):
     """Two FSDP roots side by side (trunk and head, as VISSL wraps them), under a user's names."""
     base = v["classy_state_dict"]["base_model"]
-    return {"trunk": base["model"]["trunk"], "trunk_meta": base["meta"]["trunk"],
-            "heads": base["model"]["heads"][0], "heads_meta": base["meta"]["heads"][0],
-            "optimizer": v["classy_state_dict"]["optimizer"]["optim"]}
+    return {
+        "trunk": base["model"]["trunk"],
+        "trunk_meta": base["meta"]["trunk"],
+        "heads": base["model"]["heads"][0],
+        "heads_meta": base["meta"]["heads"][0],
+        "optimizer": v["classy_state_dict"]["optimizer"]["optim"],
+    }
 
 
 LAYOUTS = {"docs_style": docs_style, "nested": nested, "two_roots": two_roots}
@@ -80,7 +88,9 @@ def test_detected_paths(fixtures, tmp_path):
     assert c.optimizer == ("opt", "adam")
     two = open_checkpoint(str(write_layout(fixtures, tmp_path, "two_roots"))).container
     assert [(p.label, p.prefix, p.metadata) for p in two.parts] == [
-        ("trunk", "trunk.", ("trunk_meta",)), ("heads", "heads.", ("heads_meta",))]
+        ("trunk", "trunk.", ("trunk_meta",)),
+        ("heads", "heads.", ("heads_meta",)),
+    ]
     assert two.optimizer == ("optimizer",)
     assert open_checkpoint(str(write_layout(fixtures, tmp_path, "docs_style"))).container.optimizer is None
 
@@ -104,8 +114,13 @@ def resharded_pairs(fixtures, tmp_path, layout, container, want_name):
     reshard(str(write_layout(fixtures, tmp_path, layout)), str(tmp_path / "got"), 2, progress=False)
     reshard(src_of(fixtures[WS], container), str(tmp_path / "want"), 2, progress=False)
     for r in range(2):
-        yield r, (torch.load(tmp_path / "got" / f"ckpt-shard{r}.pt", weights_only=True),
-                  torch.load(tmp_path / "want" / want_name.format(r), weights_only=True))
+        yield (
+            r,
+            (
+                torch.load(tmp_path / "got" / f"ckpt-shard{r}.pt", weights_only=True),
+                torch.load(tmp_path / "want" / want_name.format(r), weights_only=True),
+            ),
+        )
 
 
 def test_nested_container_reshards_like_fairseq(fixtures, tmp_path):
@@ -190,7 +205,9 @@ def test_rank_file_names(fixtures, tmp_path, file_name):
         assert [os.path.basename(p) for p in open_checkpoint(str(src / want[0])).files.paths] == want
         (src / "notes_rank0.txt").unlink()
     reshard(str(src), str(tmp_path / "out"), 2, progress=False)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".pt") == [file_name.format(r) for r in range(2)]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".pt") == [
+        file_name.format(r) for r in range(2)
+    ]
 
 
 def test_shard_names_win_over_rank_names(fixtures, tmp_path):
@@ -203,8 +220,7 @@ def test_two_roots_container_output_holds_each_roots_full_weights(fixtures, tmp_
     """--container puts each root's full state dict where its shards were, and drops every metadata."""
     src = write_layout(fixtures, tmp_path, "two_roots")
     consolidate(str(src), str(tmp_path / "c.pt"), container=True, optimizer=True, progress=False)
-    consolidate(src_of(fixtures[WS], "vissl"), str(tmp_path / "v.pt"), container=True, optimizer=True,
-                progress=False)
+    consolidate(src_of(fixtures[WS], "vissl"), str(tmp_path / "v.pt"), container=True, optimizer=True, progress=False)
     got = torch.load(tmp_path / "c.pt", weights_only=True)
     want = torch.load(tmp_path / "v.pt", weights_only=True)
     assert set(got) == {"trunk", "heads", "optimizer"}  # no metadata left

@@ -1,14 +1,15 @@
 """The Copier's three ways to move bytes give the same file: copy_file_range, pwrite from a mapping, reads."""
+
 import os
 import random
 
 import pytest
 
-import ckptshard.io.fill as fill
+import ckptshard.write.copier as fill
 from ckptshard.dtypes import StoredDType
 from ckptshard.errors import CheckpointError
-from ckptshard.io.fill import Copier, Fill, Source
-from ckptshard.io.safe_load import TensorRef
+from ckptshard.tensors import Fill, Source, TensorRef
+from ckptshard.write.copier import Copier
 
 PAGE = 4096
 F32 = StoredDType("float32")
@@ -44,6 +45,7 @@ def way(request, monkeypatch):
 
     monkeypatch.setattr(Copier, "_copy_mapped", spy)
     if request.param != "as chosen":
+
         def refuse(*a, **k):
             raise OSError("this file system cannot map")
 
@@ -149,8 +151,8 @@ def test_a_source_that_cannot_be_mapped_is_not_tried_again(tmp_path, source, mon
 def test_outputs_are_preallocated_or_extended(tmp_path, monkeypatch):
     # Outputs get their final size before the copy: blocks allocated where the filesystem can
     # (fallocate), else only extended, never written with zeros (glibc's posix_fallocate emulation).
-    import ckptshard.io.atomic as atomic
-    import ckptshard.io.libc as libc
+    import ckptshard.osio.atomic as atomic
+    import ckptshard.osio.libc as libc
 
     size = 3 * (1 << 20) + 5
     fd = atomic.open_empty(str(tmp_path / "a"))

@@ -1,4 +1,5 @@
 """fairscale FSDP on CPU over gloo equals plain single-process training."""
+
 import sys
 
 import torch
@@ -33,7 +34,7 @@ def train_fsdp(rank, world_size, out):
     per = 12 // world_size
     for s in range(STEPS):
         x, y = data(s)
-        loss = ((m(x[rank * per:(rank + 1) * per]) - y[rank * per:(rank + 1) * per]) ** 2).mean()
+        loss = ((m(x[rank * per : (rank + 1) * per]) - y[rank * per : (rank + 1) * per]) ** 2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -67,9 +68,9 @@ def test_fsdp_world_size_2_equals_single_process(tmp_path):
 
 
 def test_layer_leaves_torch_cuda_alone():
-    from ckptshard.fsdp.cpu_compat import install_cpu_compat
-
     import torch.cuda
+
+    from ckptshard.fsdp.cpu_compat import install_cpu_compat
 
     had_cuda = torch.cuda.is_available()
     install_cpu_compat(force=True)  # as a gloo rank does, with or without GPUs

@@ -1,4 +1,5 @@
 """convert --to dcp and back, against real torch FSDP2 and torch's own DCP tools."""
+
 import hashlib
 import os
 import pickle
@@ -7,13 +8,12 @@ import sys
 
 import pytest
 import torch
+from conftest import FSDP2_WORLD_SIZES, load_ref, src_of
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.convert import convert
-from ckptshard.io.dcp import read_metadata
-from ckptshard.io.source import open_checkpoint
-
-from conftest import FSDP2_WORLD_SIZES, load_ref, src_of
+from ckptshard.read.dcp import read_metadata
+from ckptshard.read.source import open_checkpoint
 
 
 def _names_by_gid(src):
@@ -82,7 +82,8 @@ def test_tensors_spanning_shards_become_several_chunks(fsdp2_runs, fixtures):
     assert sum(c.sizes.numel() for c in fc.chunks) == fc.size.numel()
     # one data file per source shard: nothing gathered into one place
     assert sorted(f for f in os.listdir(fsdp2_runs["dcp"]["mixed3"]) if f.endswith(".distcp")) == [
-        f"__{i}_0.distcp" for i in range(3)]
+        f"__{i}_0.distcp" for i in range(3)
+    ]
 
 
 def _assert_tree_equal(a, b, path=""):
@@ -158,7 +159,7 @@ def test_dcp_to_fairscale_equals_reshard(fsdp2_runs, fixtures, resharded, tmp_pa
 
 
 def test_dtype_casts_weights_not_optimizer(fixtures, tmp_path):
-    from ckptshard.io.dcp import open_dcp
+    from ckptshard.read.dcp import open_dcp
 
     out = tmp_path / "bf16.dcp"
     convert(src_of(fixtures[2], "fairseq"), str(out), "dcp", dtype="bf16", progress=False)
@@ -167,7 +168,7 @@ def test_dtype_casts_weights_not_optimizer(fixtures, tmp_path):
     assert md.state_dict_metadata["model.trunk.stem_bn.num_batches_tracked"].properties.dtype == torch.int64
     assert md.state_dict_metadata["optim.state.trunk.embed_in.weight.exp_avg"].properties.dtype == torch.float32
     ref = load_ref(fixtures[2], "full_state_dict.pt")
-    from ckptshard.io.fill import materialize
+    from ckptshard.read.tensor_data import materialize
 
     model = materialize(open_dcp(str(out)).tree["model"])
     assert torch.equal(model["trunk.embed_in.weight"], ref["trunk.embed_in.weight"].to(torch.bfloat16))
@@ -185,8 +186,7 @@ def test_same_input_gives_byte_identical_dcp(fixtures, tmp_path):
 
 def test_no_optimizer_and_rename(fixtures, tmp_path):
     out = tmp_path / "trunk.dcp"
-    convert(src_of(fixtures[2], "fairseq"), str(out), "dcp", select=["trunk."], strip_prefix=["trunk."],
-            progress=False)
+    convert(src_of(fixtures[2], "fairseq"), str(out), "dcp", select=["trunk."], strip_prefix=["trunk."], progress=False)
     md = read_metadata(str(out))
     model = sorted(k for k in md.state_dict_metadata if k.startswith("model."))
     assert model and all(not k.startswith("model.trunk.") and not k.startswith("model.heads") for k in model)
@@ -295,15 +295,31 @@ def test_dcp_without_optimizer_state_needs_no_optimizer_for_fairscale(fixtures, 
     weights_only = tmp_path / "w.dcp"
     convert(src_of(fixtures[2], "fairseq"), str(weights_only), "dcp", optimizer=False, progress=False)
     with pytest.raises(CheckpointError, match="--no-optimizer"):
-        convert(str(weights_only), str(tmp_path / "fs"), "fairscale", like=src_of(fixtures[2], "fairseq"),
-                world_size=2, progress=False)
-    convert(str(weights_only), str(tmp_path / "fs"), "fairscale", like=src_of(fixtures[2], "fairseq"),
-            world_size=2, optimizer=False, progress=False)
+        convert(
+            str(weights_only),
+            str(tmp_path / "fs"),
+            "fairscale",
+            like=src_of(fixtures[2], "fairseq"),
+            world_size=2,
+            progress=False,
+        )
+    convert(
+        str(weights_only),
+        str(tmp_path / "fs"),
+        "fairscale",
+        like=src_of(fixtures[2], "fairseq"),
+        world_size=2,
+        optimizer=False,
+        progress=False,
+    )
     shard0 = torch.load(tmp_path / "fs" / "checkpoint_last-shard0.pt", weights_only=True)
     assert "last_optimizer_state" not in shard0
-    assert torch.equal(shard0["model"]["trunk.flat_param_0"],
-                       torch.load(fixtures[2] / "fairseq" / "checkpoint_last-shard0.pt",
-                                  weights_only=False)["model"]["trunk.flat_param_0"])
+    assert torch.equal(
+        shard0["model"]["trunk.flat_param_0"],
+        torch.load(fixtures[2] / "fairseq" / "checkpoint_last-shard0.pt", weights_only=False)["model"][
+            "trunk.flat_param_0"
+        ],
+    )
 
 
 def test_jobs_write_the_same_bytes(fixtures, tmp_path):
@@ -318,12 +334,25 @@ def test_cli_round_trip(fixtures, tmp_path):
     src = src_of(fixtures[2], "vissl")
     res = _cli("convert", src, "--to", "dcp", "-o", str(tmp_path / "c.dcp"), "-q")
     assert res.returncode == 0 and "34 tensors" in res.stdout, res.stderr
-    res = _cli("convert", str(tmp_path / "c.dcp"), "--to", "safetensors", "-o", str(tmp_path / "t.safetensors"),
-               "--select", "model.trunk.", "--strip-prefix", "model.trunk.", "--dtype", "fp16", "-q")
+    res = _cli(
+        "convert",
+        str(tmp_path / "c.dcp"),
+        "--to",
+        "safetensors",
+        "-o",
+        str(tmp_path / "t.safetensors"),
+        "--select",
+        "model.trunk.",
+        "--strip-prefix",
+        "model.trunk.",
+        "--dtype",
+        "fp16",
+        "-q",
+    )
     assert res.returncode == 0, res.stderr
     got = load_file(tmp_path / "t.safetensors")
     ref = load_ref(fixtures[2], "full_state_dict.pt")
-    assert set(got) == {k[len("trunk."):] for k in ref if k.startswith("trunk.")}
+    assert set(got) == {k[len("trunk.") :] for k in ref if k.startswith("trunk.")}
     assert torch.equal(got["blocks.0.fc.weight"], ref["trunk.blocks.0.fc.weight"].half())
     assert got["stem_bn.num_batches_tracked"].dtype == torch.int64
     assert _cli("verify", str(tmp_path / "t.safetensors")).returncode == 0
@@ -347,8 +376,9 @@ def test_column_sharded_dtensors_read_like_torch_reads_them(fsdp2_runs, tmp_path
     full = torch.load(folder + ".full.pt", weights_only=True)
     dcp_to_torch_save(folder, str(tmp_path / "theirs.pt"))
     convert(folder, str(tmp_path / "ours.pt"), "torch", progress=False)
-    _assert_tree_equal(torch.load(tmp_path / "ours.pt", weights_only=True),
-                       torch.load(tmp_path / "theirs.pt", weights_only=False))
+    _assert_tree_equal(
+        torch.load(tmp_path / "ours.pt", weights_only=True), torch.load(tmp_path / "theirs.pt", weights_only=False)
+    )
     convert(folder, str(tmp_path / "m.safetensors"), "safetensors", strip_prefix=["model."], progress=False)
     got = load_file(tmp_path / "m.safetensors")
     for k in ("cols", "rows", "mid"):

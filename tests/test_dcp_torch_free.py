@@ -1,4 +1,5 @@
 """convert --to dcp without torch: the flattening, the frames and .metadata against torch's own."""
+
 import io
 import os
 import subprocess
@@ -6,17 +7,18 @@ import sys
 
 import pytest
 import torch
+from conftest import src_of
 from torch.distributed.checkpoint import metadata as dmd
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
+from torch.distributed.checkpoint._nested_dict import (
+    flatten_state_dict as torch_flatten,
+)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptshard.execute.convert import convert
-from ckptshard.io.dcp import read_metadata
-from ckptshard.io.dcp_write import DCP_VERSION, tensor_frame
-from ckptshard.io.dcp_metadata import metadata_pickle
-from ckptshard.plan.dcp import flatten_state_dict
-
-from conftest import src_of
+from ckptshard.formats.dcp_metadata import DCP_VERSION, metadata_pickle
+from ckptshard.formats.dcp_state import flatten_state_dict
+from ckptshard.read.dcp import read_metadata
+from ckptshard.write.dcp_files import tensor_frame
 
 T = torch.zeros(2)
 TREES = [
@@ -42,41 +44,57 @@ def test_tensor_frame_loads_in_torch(shape, dtype):
     want = want.reshape(shape)
     buf = bytearray(length)
     for at, b in runs:
-        buf[at:at + len(b)] = b
+        buf[at : at + len(b)] = b
     raw = want.reshape(-1).view(torch.uint8).numpy().tobytes() if want.numel() else b""
-    buf[data_at:data_at + len(raw)] = raw
+    buf[data_at : data_at + len(raw)] = raw
     if raw:
         import struct
         import zlib
+
         for pos in crc_at:
-            buf[pos:pos + 4] = struct.pack("<I", zlib.crc32(raw))
+            buf[pos : pos + 4] = struct.pack("<I", zlib.crc32(raw))
     got = torch.load(io.BytesIO(bytes(buf)), weights_only=True)
     assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
 
 
 def test_metadata_unpickles_to_what_torch_builds():
     entries = {
-        "model.w": ("float32", (4, 3), [((0, 0), (2, 3), ("__0_0.distcp", 0, 100)), ((2, 0), (2, 3), ("__1_0.distcp", 0, 100))]),
+        "model.w": (
+            "float32",
+            (4, 3),
+            [((0, 0), (2, 3), ("__0_0.distcp", 0, 100)), ((2, 0), (2, 3), ("__1_0.distcp", 0, 100))],
+        ),
         "model.b": ("bfloat16", (5,), [((0,), (5,), ("__0_0.distcp", 100, 90))]),
         "model.s": ("int64", (), [((), (), ("__0_0.distcp", 190, 80))]),
         "optim.param_groups": ("__0_0.distcp", 270, 50),
     }
-    mapping = {"model.w": ("model", "w"), "model.b": ("model", "b"), "model.s": ("model", "s"),
-               "optim.param_groups": ("optim", "param_groups")}
+    mapping = {
+        "model.w": ("model", "w"),
+        "model.b": ("model", "b"),
+        "model.s": ("model", "s"),
+        "optim.param_groups": ("optim", "param_groups"),
+    }
     sd, storage = {}, {}
     for name, e in entries.items():
         if isinstance(e[2], list):
             dtype, shape, chunks = e
             sd[name] = dmd.TensorStorageMetadata(
-                properties=dmd.TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape),
-                chunks=[dmd.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks])
+                properties=dmd.TensorProperties(dtype=getattr(torch, dtype)),
+                size=torch.Size(shape),
+                chunks=[dmd.ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s, _ in chunks],
+            )
             for o, _, w in chunks:
                 storage[dmd.MetadataIndex(name, o)] = _StorageInfo(*w)
         else:
             sd[name] = dmd.BytesStorageMetadata()
             storage[dmd.MetadataIndex(name)] = _StorageInfo(*e)
-    want = dmd.Metadata(state_dict_metadata=sd, planner_data=mapping, storage_data=storage,
-                        storage_meta=dmd.StorageMeta(), version=DCP_VERSION)
+    want = dmd.Metadata(
+        state_dict_metadata=sd,
+        planner_data=mapping,
+        storage_data=storage,
+        storage_meta=dmd.StorageMeta(),
+        version=DCP_VERSION,
+    )
     import pickle
 
     got = pickle.loads(metadata_pickle(entries, mapping, DCP_VERSION))
@@ -89,12 +107,18 @@ def test_metadata_unpickles_to_what_torch_builds():
 
 
 def test_convert_to_dcp_imports_no_torch_and_reads_back(fixtures, tmp_path):
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     out = tmp_path / "dcp"
-    res = subprocess.run([sys.executable, "-c", code, "convert", src_of(fixtures[3], "fairseq"), "--to", "dcp",
-                          "-o", str(out), "-q"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code, "convert", src_of(fixtures[3], "fairseq"), "--to", "dcp", "-o", str(out), "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
     # The same folder as the in-process convert (which may have torch loaded) writes, byte for byte.
@@ -107,9 +131,11 @@ def test_convert_to_dcp_imports_no_torch_and_reads_back(fixtures, tmp_path):
 
 
 def _no_torch_cli(*args):
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.strip().splitlines()[-1]
@@ -122,9 +148,32 @@ def test_reading_dcp_imports_no_torch_and_equals_the_torch_reader(fixtures, fsdp
     like = src_of(fixtures[3], "fairseq")
     runs = {
         "pt": ("convert", folder, "--to", "torch", "-o", str(tmp_path / "{}" / "full.pt"), "-q"),
-        "st": ("convert", folder, "--to", "safetensors", "-o", str(tmp_path / "{}" / "m.safetensors"),
-               "--select", "model.", "--strip-prefix", "model.", "-q"),
-        "fs": ("convert", folder, "--to", "fairscale", "--like", like, "-n", "2", "-o", str(tmp_path / "{}" / "fs"), "-q"),
+        "st": (
+            "convert",
+            folder,
+            "--to",
+            "safetensors",
+            "-o",
+            str(tmp_path / "{}" / "m.safetensors"),
+            "--select",
+            "model.",
+            "--strip-prefix",
+            "model.",
+            "-q",
+        ),
+        "fs": (
+            "convert",
+            folder,
+            "--to",
+            "fairscale",
+            "--like",
+            like,
+            "-n",
+            "2",
+            "-o",
+            str(tmp_path / "{}" / "fs"),
+            "-q",
+        ),
     }
     for name, args in runs.items():
         os.makedirs(tmp_path / "free", exist_ok=True)
@@ -154,7 +203,7 @@ def test_reading_dcp_imports_no_torch_and_equals_the_torch_reader(fixtures, fsdp
 def test_unflatten_state_dict_equals_torchs(fsdp2_runs):
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict as theirs
 
-    from ckptshard.plan.dcp import unflatten_state_dict
+    from ckptshard.formats.dcp_state import unflatten_state_dict
 
     flat = {"a.0.x": 1, "a.2": [3], "b.c": {"k": 2}, "d": 5, "e.1.0": 7}
     mapping = {"a.0.x": ("a", 0, "x"), "a.2": ("a", 2), "b.c": ("b", "c"), "d": ("d",), "e.1.0": ("e", 1, 0)}

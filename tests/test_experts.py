@@ -1,16 +1,18 @@
-"""Per-rank FSDP instances (MoE experts) from a real fairscale run: consolidated from rank 0, said so, never resharded."""
+"""Per-rank FSDP instances (MoE experts) from a real fairscale run: consolidated from rank 0, said so, never
+resharded."""
+
 import hashlib
 import pathlib
 
 import pytest
 import torch
+from conftest import _once
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.convert import convert
 from ckptshard.execute.reshard import reshard
 from ckptshard.testing import experts
-from conftest import _once
 
 WS = 3
 

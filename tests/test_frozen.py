@@ -9,15 +9,16 @@ verify-resume scenario "frozen trunk", in test_verify_resume.py), the live
 ``state_dict()``, and two independent plans agreeing: reshard M->N against
 consolidate --optimizer then shard --optimizer to N.
 """
+
 import shutil
 
 import pytest
 import torch
+from conftest import load_ref, src_of
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard, shard
-from conftest import load_ref, src_of
 
 FAIRSEQ = "checkpoint_last-shard{}.pt"
 
@@ -30,8 +31,8 @@ def test_consolidated_optimizer_names_only_the_trainable_parameters(frozen_fixtu
     out = tmp_path / "full.pt"
     consolidate(src_of(frozen_fixture, "fairseq"), str(out), optimizer=True, progress=False)
     full = load_ref(frozen_fixture, "full_state_dict.pt")
-    assert {k: torch.equal(v, full[k]) for k, v in torch.load(out, weights_only=True).items()} == \
-        {k: True for k in full}
+    loaded = torch.load(out, weights_only=True)
+    assert {k: torch.equal(v, full[k]) for k, v in loaded.items()} == dict.fromkeys(full, True)
     optim = torch.load(tmp_path / "full.optim.pt", weights_only=True)
     # Global ids follow the live model's parameters (tied ones once); the trunk's have no entry.
     params = [n for n, p in _named_params(full) if not n.startswith("trunk.embed_out.weight")]
@@ -43,16 +44,25 @@ def test_consolidated_optimizer_names_only_the_trainable_parameters(frozen_fixtu
 
 
 def _named_params(full):
-    return [(k, v) for k, v in full.items() if not (k.endswith("running_mean") or k.endswith("running_var")
-                                                    or k.endswith("num_batches_tracked"))]
+    return [
+        (k, v)
+        for k, v in full.items()
+        if not (k.endswith("running_mean") or k.endswith("running_var") or k.endswith("num_batches_tracked"))
+    ]
 
 
 def test_reshard_equals_consolidate_then_shard(frozen_fixture, tmp_path):
     src = src_of(frozen_fixture, "fairseq")
     reshard(src, str(tmp_path / "rs"), 3, progress=False)
     consolidate(src, str(tmp_path / "full.pt"), optimizer=True, progress=False)
-    shard(str(tmp_path / "full.pt"), src, str(tmp_path / "sh"), 3, optimizer=str(tmp_path / "full.optim.pt"),
-          progress=False)
+    shard(
+        str(tmp_path / "full.pt"),
+        src,
+        str(tmp_path / "sh"),
+        3,
+        optimizer=str(tmp_path / "full.optim.pt"),
+        progress=False,
+    )
     for r in range(3):
         a, b = _osd(tmp_path / "rs", r), _osd(tmp_path / "sh", r)
         assert a["param_groups"][0]["params"] == b["param_groups"][0]["params"] == [0, 1, 2]
@@ -81,8 +91,9 @@ def test_equal_sized_candidates_reshard_but_do_not_consolidate(next_step_fixture
     src = tmp_path / "src"
     shutil.copytree(src_of(next_step_fixture, "fairseq"), src)
     _drop_entry(src, 2)
-    with pytest.raises(CheckpointError, match="fits several of them .*trunk.blocks.0.flat_param_0.*"
-                                              "cannot tell which parameter"):
+    with pytest.raises(
+        CheckpointError, match="fits several of them .*trunk.blocks.0.flat_param_0.*cannot tell which parameter"
+    ):
         consolidate(str(src), str(tmp_path / "full.pt"), optimizer=True, progress=False)
     reshard(str(src), str(tmp_path / "rs"), 3, progress=False)
     assert len(_osd(tmp_path / "rs", 0)["state"]) == len(_osd(src, 0)["state"])

@@ -4,18 +4,19 @@ Correct means: what torch itself reads from the mutated files, consolidated
 by fairscale's ``consolidate_shard_weights`` (plus the nested tie fairscale
 drops, #815). Never a traceback, never a wrong output, never a leftover file.
 """
+
 import random
 import shutil
 
 import pytest
 import torch
+from conftest import load_ref
 from fairscale.nn import FullyShardedDataParallel as FSDP
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.convert import convert
 from ckptshard.execute.reshard import reshard
-from conftest import load_ref
 
 CASES = 240
 WS = 3
@@ -91,7 +92,9 @@ def reference(folder, container):
     """What torch reads from the (mutated) files, consolidated by fairscale; None if either refuses."""
     try:
         shards = [torch.load(folder / NAMES[container].format(r), weights_only=True) for r in range(WS)]
-        full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s[META[container]] for s in shards], strict=False)
+        full = FSDP.consolidate_shard_weights(
+            [s["model"] for s in shards], [s[META[container]] for s in shards], strict=False
+        )
     except Exception:
         return None
     if "trunk.embed_in.weight" in full:
@@ -140,8 +143,9 @@ def test_mutated_checkpoint(fixtures, tmp_path, case):
     assert equal(torch.load(out_dir / "again.pt", weights_only=True), got), f"{kind}: reshard differs"
     # convert --to dcp accepts it too, and the DCP holds the same weights.
     convert(str(src), str(out_dir / "d"), "dcp", progress=False)
-    convert(str(out_dir / "d"), str(out_dir / "d.pt"), "torch", select=["model."], strip_prefix=["model."],
-            progress=False)
+    convert(
+        str(out_dir / "d"), str(out_dir / "d.pt"), "torch", select=["model."], strip_prefix=["model."], progress=False
+    )
     assert equal(torch.load(out_dir / "d.pt", weights_only=True), got), f"{kind}: DCP differs"
 
 
@@ -173,8 +177,11 @@ def _mutate_dcp(rng, folder):
     else:
         with open(folder / ".metadata", "rb") as f:
             md = pickle.load(f)
-        name = rng.choice(sorted(k for k, v in md.state_dict_metadata.items()
-                                 if k.startswith("model.") and getattr(v, "chunks", None)))
+        name = rng.choice(
+            sorted(
+                k for k, v in md.state_dict_metadata.items() if k.startswith("model.") and getattr(v, "chunks", None)
+            )
+        )
         tmd = md.state_dict_metadata[name]
         if kind == "drop_chunk":
             tmd.chunks.pop(rng.randrange(len(tmd.chunks)))
@@ -238,8 +245,11 @@ def _bomb(rng, paths, container):
     packed = rng.choice([n for n, _ in records])
     with zipfile.ZipFile(p, "w") as zf:
         for n, raw in records:
-            zf.writestr(n, raw + (bytes(rng.randint(1, 32) << 20) if n == packed else b""),
-                        zipfile.ZIP_DEFLATED if n == packed else zipfile.ZIP_STORED)
+            zf.writestr(
+                n,
+                raw + (bytes(rng.randint(1, 32) << 20) if n == packed else b""),
+                zipfile.ZIP_DEFLATED if n == packed else zipfile.ZIP_STORED,
+            )
 
 
 def _flat_infos(obj, container):
@@ -248,9 +258,13 @@ def _flat_infos(obj, container):
 
 def _duplicate_name(rng, paths, container):
     objs = [torch.load(p, weights_only=True) for p in paths]
-    choices = [(i, j, k) for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
-               for j in range(len(fp["names"])) for k in range(len(fp["names"]))
-               if j != k and list(fp["shapes"][j]) == list(fp["shapes"][k])]
+    choices = [
+        (i, j, k)
+        for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
+        for j in range(len(fp["names"]))
+        for k in range(len(fp["names"]))
+        if j != k and list(fp["shapes"][j]) == list(fp["shapes"][k])
+    ]
     i, j, k = rng.choice(choices)
     for obj, p in zip(objs, paths):  # every rank agrees: only the names lie
         fp = _flat_infos(obj, container)[i][2]
@@ -262,8 +276,13 @@ def _padding_lie(rng, paths, container):
     from ckptshard.layout.chunking import padding
 
     objs = [torch.load(p, weights_only=True) for p in paths]
-    choices = [(i, j) for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
-               if sum(fp["numels"]) % WS == 0 for j, s in enumerate(fp["shapes"]) if len(s) == 1 and s[0] > 1]
+    choices = [
+        (i, j)
+        for i, (_, _, fp) in enumerate(_flat_infos(objs[0], container))
+        if sum(fp["numels"]) % WS == 0
+        for j, s in enumerate(fp["shapes"])
+        if len(s) == 1 and s[0] > 1
+    ]
     i, j = rng.choice(choices)
     for r, (obj, p) in enumerate(zip(objs, paths)):  # self-consistent: sizes and paddings all add up
         fp = _flat_infos(obj, container)[i][2]
@@ -279,8 +298,13 @@ def _duplicate_record(rng, paths, container):
     _with_duplicate_record(rng.choice(paths))
 
 
-HOSTILE = {"nesting": _deep, "bomb": _bomb, "duplicate-name": _duplicate_name, "padding-lie": _padding_lie,
-           "duplicate-record": _duplicate_record}
+HOSTILE = {
+    "nesting": _deep,
+    "bomb": _bomb,
+    "duplicate-name": _duplicate_name,
+    "padding-lie": _padding_lie,
+    "duplicate-record": _duplicate_record,
+}
 
 
 @pytest.mark.parametrize("case", range(HOSTILE_CASES))
@@ -298,9 +322,12 @@ def test_hostile_mutation(fixtures, tmp_path, case):
     for torch_reader in ("", "1"):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("CKPTSHARD_TORCH_READER", torch_reader) if torch_reader else mp.delenv(
-                "CKPTSHARD_TORCH_READER", raising=False)
-            for run in (lambda: consolidate(str(src), str(out_dir / "full.pt"), optimizer=True, progress=False),
-                        lambda: reshard(str(src), str(out_dir / "r"), 2, progress=False)):
+                "CKPTSHARD_TORCH_READER", raising=False
+            )
+            for run in (
+                lambda: consolidate(str(src), str(out_dir / "full.pt"), optimizer=True, progress=False),
+                lambda: reshard(str(src), str(out_dir / "r"), 2, progress=False),
+            ):
                 try:
                     run()
                 except CheckpointError as e:

@@ -8,20 +8,21 @@ is tagged ``cuda:0``, and ``ref/`` holds the live ``state_dict()`` and
 them exactly; resharding must equal what FSDP at the target world size
 (here, on the CPU) holds after loading the same weights.
 """
+
 import pathlib
 import zipfile
 
 import pytest
 import torch
+from conftest import CONTAINERS
 from safetensors.torch import load_file
+from test_consolidate import assert_same
+from test_reshard import assert_optim_equal, assert_tensors_equal, parts_of, rank_file
 
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
 from ckptshard.testing.fixtures import source_path
 from ckptshard.testing.oracle import build_oracles
-from conftest import CONTAINERS
-from test_consolidate import assert_same
-from test_reshard import assert_optim_equal, assert_tensors_equal, parts_of, rank_file
 
 DATA = pathlib.Path(__file__).parent / "data" / "gpu-saved"
 RUNS = {  # folder: (variant, world size it was saved at, world size to reshard to)
@@ -77,9 +78,15 @@ def resharded_vs_fsdp(tmp_path_factory):
         optim = DATA / run / "ref" / "full_optim.pt"
         if optim.exists():
             torch.save(ref(run, "full_optim.pt"), root / f"{run}-optim.pt")
-        by_n.setdefault(n, []).append({"full": str(root / f"{run}-full.pt"), "variant": variant,
-                                       "full_optim": str(root / f"{run}-optim.pt") if optim.exists() else None,
-                                       "out": str(root / f"{run}-oracle"), "candidate": str(ours)})
+        by_n.setdefault(n, []).append(
+            {
+                "full": str(root / f"{run}-full.pt"),
+                "variant": variant,
+                "full_optim": str(root / f"{run}-optim.pt") if optim.exists() else None,
+                "out": str(root / f"{run}-oracle"),
+                "candidate": str(ours),
+            }
+        )
         out[run] = (ours, root / f"{run}-oracle")
     for n, jobs in by_n.items():
         build_oracles(n, jobs)
@@ -92,7 +99,7 @@ def test_resharded_equals_fsdp_at_the_target_world_size(run, resharded_vs_fsdp):
     for r in range(RUNS[run][2]):
         oracle = torch.load(oracle_dir / f"rank{r}.pt", weights_only=True)
         got = rank_file(ours, "fairseq", r)
-        (weights, meta), = parts_of(got, "fairseq")
+        ((weights, meta),) = parts_of(got, "fairseq")
         assert_tensors_equal(weights, oracle["local"], (run, r))
         assert meta == oracle["meta"]
         if oracle["optim"] is not None:

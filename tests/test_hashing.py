@@ -1,22 +1,24 @@
 """Hashing outputs while they are written gives the digest of the finished file."""
+
 import os
 import time
 
 import pytest
 from xxhash import xxh3_128
 
-from ckptshard.io.hashing import MAX_AHEAD, Hashes
+from ckptshard.osio.hashing import MAX_AHEAD, Hashes
 
 
 @pytest.fixture(params=["mapped", "read", "as chosen"])
 def span_source(request, monkeypatch):
     """Run a test with the hash pass mapping every span, with mapping refused (reads instead), and
     as it chooses (spans under MAP_MIN read, larger ones mapped)."""
-    import ckptshard.io.hashing as hashing
+    import ckptshard.osio.hashing as hashing
 
     if request.param == "mapped":
         monkeypatch.setattr(hashing, "MAP_MIN", 1)
     if request.param == "read":
+
         def refuse(*args, **kwargs):
             if args and args[0] != -1:  # file mappings only: the fallback's own buffer is anonymous
                 raise OSError(19, "mapping refused")
@@ -36,7 +38,7 @@ def test_trailing_hash_equals_xxh3_of_the_finished_file(tmp_path, span_source):
         os.ftruncate(fd, len(data))
         for start in range(0, len(data), 5_000_000):  # written front to back, announced as it goes
             advance(start)
-            os.pwrite(fd, data[start:start + 5_000_000], start)
+            os.pwrite(fd, data[start : start + 5_000_000], start)
         os.close(fd)
         assert hashes.digest(str(path)) == xxh3_128(data).hexdigest()
 
@@ -75,8 +77,9 @@ def test_a_file_shorter_than_announced_is_an_error(tmp_path):
         with pytest.raises(OSError, match="shorter"):
             hashes.digest(str(path))
 
+
 def test_every_hashed_span_is_queued_for_writeback_once(tmp_path, monkeypatch):
-    import ckptshard.io.hashing as hashing
+    import ckptshard.osio.hashing as hashing
 
     spans = []
     monkeypatch.setattr(hashing, "start_writeback", lambda fd, off, n: spans.append((off, n)))
@@ -87,7 +90,7 @@ def test_every_hashed_span_is_queued_for_writeback_once(tmp_path, monkeypatch):
     with Hashes() as hashes:
         advance = hashes.watch(str(path))
         for start in range(0, len(data), 3_000_001):  # marks off page boundaries
-            os.pwrite(fd, data[start:start + 3_000_001], start)
+            os.pwrite(fd, data[start : start + 3_000_001], start)
             advance(min(len(data), start + 3_000_001))
         os.close(fd)
         assert hashes.digest(str(path)) == xxh3_128(data).hexdigest()
@@ -99,7 +102,7 @@ def test_every_hashed_span_is_queued_for_writeback_once(tmp_path, monkeypatch):
 def test_start_writeback_takes_a_file_and_declines_a_pipe(tmp_path):
     import sys
 
-    from ckptshard.io.writeback import start_writeback
+    from ckptshard.osio.writeback import start_writeback
 
     path = tmp_path / "f"
     path.write_bytes(b"x" * 100_000)
@@ -122,7 +125,7 @@ def test_placeholders_are_free_and_fall_back_to_fake_tensors_when_memory_is_refu
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from ckptshard.io.writers import placeholder
+    from ckptshard.write.torch_file import placeholder
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     small = placeholder((1 << 28,), torch.float32)  # 1 GiB of address space, never touched
@@ -137,7 +140,7 @@ def test_crcs_are_written_by_the_hash_pass_before_it_hashes_them(tmp_path, span_
     import struct
     import zlib
 
-    from ckptshard.io.hashing import BLOCK
+    from ckptshard.osio.hashing import BLOCK
 
     path = tmp_path / "f"
     sizes = [1000, BLOCK + 3, 0, 2 * BLOCK - 7, 5]
@@ -155,16 +158,16 @@ def test_crcs_are_written_by_the_hash_pass_before_it_hashes_them(tmp_path, span_
         for i, (start, size, slot) in enumerate(layout):
             if size:
                 hashes.patch_crc(str(path), start, size, (slot, central + 4 * i))
-        for start, size, slot in layout:
+        for start, size, _slot in layout:
             advance(start)
-            os.pwrite(fd, bytes(data[start:start + size]), start)  # the slots stay zero until the hash pass
+            os.pwrite(fd, bytes(data[start : start + size]), start)  # the slots stay zero until the hash pass
         hashes.settled(str(path))
         final = path.read_bytes()
         digest = hashes.digest(str(path))
     os.close(fd)
     for i, (start, size, slot) in enumerate(layout):
-        want = struct.pack("<I", zlib.crc32(data[start:start + size])) if size else b"\0" * 4
-        assert final[slot:slot + 4] == want and final[central + 4 * i:central + 4 * i + 4] == want
+        want = struct.pack("<I", zlib.crc32(data[start : start + size])) if size else b"\0" * 4
+        assert final[slot : slot + 4] == want and final[central + 4 * i : central + 4 * i + 4] == want
     assert digest == xxh3_128(final).hexdigest()  # the hash saw the CRCs, not the zeros before them
 
 
@@ -185,7 +188,7 @@ def test_crc_records_out_of_order_or_patching_backwards_are_refused(tmp_path):
 def test_small_spans_are_read_not_mapped(tmp_path, monkeypatch):
     # Thousands of small tensors (optimizer state of many FSDP instances at a large world size): a
     # mapping per span cost more than the read it saves.
-    import ckptshard.io.hashing as hashing
+    import ckptshard.osio.hashing as hashing
 
     maps = []
     real = hashing.mmap.mmap
@@ -198,7 +201,7 @@ def test_small_spans_are_read_not_mapped(tmp_path, monkeypatch):
         watched = hashes._by_path[os.path.abspath(path)]
         os.ftruncate(fd, len(data))
         for start in range(0, len(data), 700):
-            os.pwrite(fd, data[start:start + 700], start)
+            os.pwrite(fd, data[start : start + 700], start)
             advance(start + 700)
             # One span at a time: a hash thread that fell 256 KiB behind (a loaded CI machine) would
             # rightly hash the joined spans through a mapping, which is not what this test is about.

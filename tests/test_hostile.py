@@ -2,10 +2,12 @@
 
 Each test names the case of issue 24 it covers (#1-#18); docs/errors.md says what the user sees.
 """
+
 import argparse
 import fcntl
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -17,12 +19,12 @@ import zipfile
 
 import pytest
 import torch
+from test_bad_input import copy_fixture, edit
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
-from ckptshard.execute.reshard import reshard, shard
+from ckptshard.execute.reshard import reshard
 from ckptshard.execute.verify import verify
-from test_bad_input import copy_fixture, edit
 
 SHARD = "checkpoint_last-shard{}.pt"
 
@@ -30,8 +32,14 @@ SHARD = "checkpoint_last-shard{}.pt"
 def cli(*args, env=None, timeout=120, cwd=None):
     full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "ckptshard.cli", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptshard.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def one_line_error(res, needle):
@@ -57,13 +65,15 @@ def names_in(folder):
 def _other_step_shard(fixtures, tmp_path, rank):
     """A shard of another save with the same layout: what a training job writes over the old one."""
     other = copy_fixture(fixtures, tmp_path, name="other")
-    edit(other / SHARD.format(rank), lambda o: o["model"].update(
-        {k: v + 1 for k, v in o["model"].items() if "flat_param" in k}))
+    edit(
+        other / SHARD.format(rank),
+        lambda o: o["model"].update({k: v + 1 for k, v in o["model"].items() if "flat_param" in k}),
+    )
     return other / SHARD.format(rank)
 
 
 def test_1_source_overwritten_during_consolidate_fails_and_writes_nothing(fixtures, tmp_path, monkeypatch):
-    import ckptshard.io.fill as fill
+    import ckptshard.write.copier as fill
 
     src = copy_fixture(fixtures, tmp_path)
     newer = _other_step_shard(fixtures, tmp_path, 1)
@@ -164,8 +174,10 @@ def test_4_padding_that_holds_values_is_refused(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
     for r in range(3):
         edit(src / SHARD.format(r), lambda o, r=r: _lie_about_padding(o, r))
-    for run in (lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False),
-                lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False)):
+    for run in (
+        lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False),
+        lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False),
+    ):
         with pytest.raises(CheckpointError, match="trunk.flat_param_0: its last 1 elements are padding"):
             run()
     assert names_in(tmp_path) == ["src"]
@@ -203,20 +215,35 @@ def test_4_a_zip_with_two_records_of_one_name_is_refused_by_both_readers(fixture
     assert names_in(tmp_path) == ["src"]
 
 
-@pytest.mark.parametrize("lie, needle", [
-    (lambda o: o["last_optimizer_state"]["param_groups"][0].update(lr=0.5), "param_groups differ from rank 0's"),
-    (lambda o: o["last_optimizer_state"]["state"][3].update(step=o["last_optimizer_state"]["state"][3]["step"] + 1),
-     "state[3]['step'] is 4.0, rank 0's is 3.0"),
-    (lambda o: o["model"].update({"trunk.stem_bn.running_mean": o["model"]["trunk.stem_bn.running_mean"].double()}),
-     "buffer 'trunk.stem_bn.running_mean' is torch.float64 [12], rank 0 has torch.float32 [12]"),
-    (lambda o: o["model"].update({"trunk.stem_bn.running_var": torch.ones(13)}),
-     "buffer 'trunk.stem_bn.running_var' is torch.float32 [13]"),
-])
+@pytest.mark.parametrize(
+    "lie, needle",
+    [
+        (lambda o: o["last_optimizer_state"]["param_groups"][0].update(lr=0.5), "param_groups differ from rank 0's"),
+        (
+            lambda o: o["last_optimizer_state"]["state"][3].update(
+                step=o["last_optimizer_state"]["state"][3]["step"] + 1
+            ),
+            "state[3]['step'] is 4.0, rank 0's is 3.0",
+        ),
+        (
+            lambda o: o["model"].update(
+                {"trunk.stem_bn.running_mean": o["model"]["trunk.stem_bn.running_mean"].double()}
+            ),
+            "buffer 'trunk.stem_bn.running_mean' is torch.float64 [12], rank 0 has torch.float32 [12]",
+        ),
+        (
+            lambda o: o["model"].update({"trunk.stem_bn.running_var": torch.ones(13)}),
+            "buffer 'trunk.stem_bn.running_var' is torch.float32 [13]",
+        ),
+    ],
+)
 def test_4_replicated_values_that_differ_between_ranks_are_refused(fixtures, tmp_path, lie, needle):
     src = copy_fixture(fixtures, tmp_path)
     edit(src / SHARD.format(1), lie)
-    for run in (lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False, optimizer=True),
-                lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False)):
+    for run in (
+        lambda: consolidate(str(src), str(tmp_path / "o.pt"), progress=False, optimizer=True),
+        lambda: reshard(str(src), str(tmp_path / "o"), 2, progress=False),
+    ):
         with pytest.raises(CheckpointError) as e:
             run()
         assert needle in str(e.value), str(e.value)
@@ -252,7 +279,7 @@ def test_5_verify_fails_a_manifest_that_leaves_files_out(fixtures, tmp_path):
 # 6 -------------------------------------------------------------------------------------------------------
 
 DISK_FULL = """
-import errno, os, sys, ckptshard.io.fill as fill
+import errno, os, sys, ckptshard.write.copier as fill
 real, calls = fill.Copier._copy, []
 def full(self, *a):
     calls.append(1)
@@ -273,8 +300,7 @@ def test_6_disk_full_mid_write_is_one_line_and_leaves_nothing(fixtures, tmp_path
     if jobs == "2":  # the workers are fresh processes: make the disk full there too
         (tmp_path / "sitecustomize.py").write_text(DISK_FULL.split("from ckptshard.cli")[0])
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    res = subprocess.run([sys.executable, "-c", DISK_FULL, *args], capture_output=True, text=True, env=env,
-                         timeout=120)
+    res = subprocess.run([sys.executable, "-c", DISK_FULL, *args], capture_output=True, text=True, env=env, timeout=120)
     one_line_error(res, "No space left on device: the disk filled up while writing; nothing was written")
     assert names_in(out) == []
 
@@ -294,7 +320,7 @@ def test_6_the_space_check_counts_what_the_files_really_take(fixtures, tmp_path,
 
 
 def test_7_concurrent_safe_loads_keep_the_extra_allow_list(tmp_path):
-    from ckptshard.io.safe_load import load_lazy
+    from ckptshard.read.safe_load import load_lazy
 
     path = tmp_path / "with_args.pt"
     torch.save({"args": argparse.Namespace(lr=0.1), "w": torch.ones(3)}, path)
@@ -304,7 +330,7 @@ def test_7_concurrent_safe_loads_keep_the_extra_allow_list(tmp_path):
         for _ in range(40):
             try:
                 assert load_lazy(str(path))["args"].lr == 0.1
-            except Exception as e:  # noqa: BLE001 (collected and reported below)
+            except Exception as e:
                 errors.append(repr(e))
 
     threads = [threading.Thread(target=load_many) for _ in range(8)]
@@ -326,8 +352,9 @@ def test_8_a_compressed_record_is_refused_before_it_is_inflated(fixtures, tmp_pa
     with zipfile.ZipFile(victim, "w") as zf:
         for name, raw in records:
             big = name.endswith("data.pkl")
-            zf.writestr(name, raw + (b"\0" * (64 << 20) if big else b""),
-                        zipfile.ZIP_DEFLATED if big else zipfile.ZIP_STORED)
+            zf.writestr(
+                name, raw + (b"\0" * (64 << 20) if big else b""), zipfile.ZIP_DEFLATED if big else zipfile.ZIP_STORED
+            )
     assert victim.stat().st_size < 8 << 20  # 64 MiB of zeros packed small: a bomb in miniature
     for _ in both_readers(monkeypatch):
         with pytest.raises(CheckpointError, match="is compressed, which torch.save never does"):
@@ -370,8 +397,14 @@ def test_10_a_torchrun_rank_whose_peers_never_come_times_out_in_one_line(fixture
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "lonely", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "CKPTSHARD_DIST_TIMEOUT": "3"}
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "lonely",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "CKPTSHARD_DIST_TIMEOUT": "3",
+    }
     start = time.time()
     res = cli("reshard", fixtures[2] / "fairseq", "-n", 3, "-o", tmp_path / "re", "-q", env=env, timeout=120)
     one_line_error(res, "the other ranks of 2 did not join within 3 s")
@@ -416,7 +449,7 @@ def test_11_workers_die_with_their_parent_and_release_the_callers_stdout(tmp_pat
         parent = int(p.stdout.readline())
         deadline = time.time() + 60
         while time.time() < deadline:
-            workers = [c for c in _children(parent) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+            workers = [c for c in _children(parent) if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
             if len(workers) == 2:
                 break
             time.sleep(0.1)
@@ -438,9 +471,20 @@ def test_11_workers_die_with_their_parent_and_release_the_callers_stdout(tmp_pat
 # 12 ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["header-not-json", "header-a-list", "entry-missing-shape", "index-not-json",
-                                  "index-no-weight-map", "index-missing-file", "manifest-not-json",
-                                  "manifest-files-a-list", "manifest-bytes-a-string"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "header-not-json",
+        "header-a-list",
+        "entry-missing-shape",
+        "index-not-json",
+        "index-no-weight-map",
+        "index-missing-file",
+        "manifest-not-json",
+        "manifest-files-a-list",
+        "manifest-bytes-a-string",
+    ],
+)
 def test_12_malformed_safetensors_index_and_manifest_are_one_line_errors(fixtures, tmp_path, case):
     full = tmp_path / "full.safetensors"
     consolidate(str(fixtures[2] / "fairseq"), str(full), progress=False)
@@ -448,12 +492,12 @@ def test_12_malformed_safetensors_index_and_manifest_are_one_line_errors(fixture
     consolidate(str(fixtures[2] / "fairseq"), str(idx), progress=False, max_shard_size=2000)
     raw = full.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
 
     def with_header(text):
         body = text.encode().ljust(n)
         assert len(body) == n
-        full.write_bytes(raw[:8] + body + raw[8 + n:])
+        full.write_bytes(raw[:8] + body + raw[8 + n :])
 
     index = idx / "model.safetensors.index.json"
     manifest = tmp_path / "full.safetensors.manifest.json"
@@ -492,8 +536,10 @@ def test_12_malformed_safetensors_index_and_manifest_are_one_line_errors(fixture
         manifest.write_text(json.dumps(m))
         needle = "not a ckptshard manifest"
     res = cli("verify", target)  # a changed file: the manifest tells first
-    one_line_error(res, needle if case.startswith("manifest") else "manifest says" if case.startswith("index")
-                   else "checksum differs")
+    one_line_error(
+        res,
+        needle if case.startswith("manifest") else "manifest says" if case.startswith("index") else "checksum differs",
+    )
     if not case.startswith("manifest"):  # shard reads the state dict itself, no manifest
         res = cli("shard", target, "--like", fixtures[2] / "fairseq", "-n", 2, "-o", tmp_path / "sh")
         one_line_error(res, needle)
@@ -519,8 +565,11 @@ def test_13_nesting_hundreds_of_levels_deep_is_one_line_error(fixtures, tmp_path
     finally:
         sys.setrecursionlimit(limit)
     for env in ({}, {"CKPTSHARD_TORCH_READER": "1"}):
-        for args in (("inspect", src), ("consolidate", src, "-o", tmp_path / "o.pt"),
-                     ("reshard", src, "-n", 2, "-o", tmp_path / "re")):
+        for args in (
+            ("inspect", src),
+            ("consolidate", src, "-o", tmp_path / "o.pt"),
+            ("reshard", src, "-n", 2, "-o", tmp_path / "re"),
+        ):
             one_line_error(cli(*args, env=env), "containers nested more than 100 levels deep")
     assert names_in(tmp_path) == ["src"]
 
@@ -528,7 +577,7 @@ def test_13_nesting_hundreds_of_levels_deep_is_one_line_error(fixtures, tmp_path
 def test_13_a_pickle_that_shares_one_list_exponentially_is_refused(tmp_path):
     import pickle
 
-    from ckptshard.io.pickle_reader import check_depth
+    from ckptshard.formats.torch_pickle import check_depth
 
     x = []
     for _ in range(60):
@@ -543,11 +592,14 @@ def test_13_a_pickle_that_shares_one_list_exponentially_is_refused(tmp_path):
 
 @pytest.mark.parametrize("is_dir", [True, False])
 def test_14_overwrite_whose_final_rename_fails_keeps_the_old_output_whole(fixtures, tmp_path, monkeypatch, is_dir):
-    import ckptshard.io.atomic as atomic
+    import ckptshard.osio.atomic as atomic
 
     out = tmp_path / ("re" if is_dir else "f.safetensors")
-    run = (lambda n, **kw: reshard(str(fixtures[n] / "fairseq"), str(out), 2, progress=False, **kw)) if is_dir else \
-        (lambda n, **kw: consolidate(str(fixtures[n] / "fairseq"), str(out), progress=False, **kw))
+    run = (
+        (lambda n, **kw: reshard(str(fixtures[n] / "fairseq"), str(out), 2, progress=False, **kw))
+        if is_dir
+        else (lambda n, **kw: consolidate(str(fixtures[n] / "fairseq"), str(out), progress=False, **kw))
+    )
     run(2)
     before = {p.name: p.read_bytes() for p in (out.iterdir() if is_dir else [out])}
     real_rename = os.rename
@@ -598,7 +650,7 @@ def test_16_legacy_shards_holding_other_objects_read_with_trust_pickles(fixtures
 
 
 KILLED_MID_WRITE = """
-import os, sys, time, ckptshard.io.fill as fill
+import os, sys, time, ckptshard.write.copier as fill
 real = fill.Copier._copy
 def stuck(self, *a):
     real(self, *a)
@@ -612,8 +664,10 @@ main(["consolidate", sys.argv[1], "-o", sys.argv[2], "-q"])
 
 def test_17_a_temporary_left_by_kill_9_is_removed_by_the_next_run_which_says_so(fixtures, tmp_path):
     out, reached = tmp_path / "o.safetensors", tmp_path / "copying"
-    p = subprocess.Popen([sys.executable, "-c", KILLED_MID_WRITE, str(fixtures[2] / "fairseq"), str(out),
-                          str(reached)], stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_WRITE, str(fixtures[2] / "fairseq"), str(out), str(reached)],
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 60
         while not reached.exists() and time.time() < deadline:
@@ -636,7 +690,7 @@ def test_17_a_temporary_left_by_kill_9_is_removed_by_the_next_run_which_says_so(
 
 
 def test_17_a_temporary_locked_by_a_live_run_is_left_alone(fixtures, tmp_path):
-    from ckptshard.io.atomic import TMP_SUFFIX, new_beside
+    from ckptshard.osio.atomic import TMP_SUFFIX, new_beside
 
     tmp = new_beside(str(tmp_path), "o.pt", TMP_SUFFIX, is_dir=False)
     fd = os.open(tmp, os.O_RDONLY)

@@ -1,16 +1,18 @@
 """Small torch.save outputs of many small runs, put together in memory: the same bytes as the file-to-file path."""
+
 import os
 import zipfile
 
 import pytest
+from conftest import src_of
+from test_copier import CASES, F32, _ref, source  # noqa: F401  (source: a fixture)
 
-import ckptshard.io.writers as writers
+import ckptshard.write.torch_file as writers
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
-from ckptshard.io.fill import Copier, Fill, Source
-from test_copier import CASES, F32, _ref, source  # noqa: F401  (source: a fixture)
-from conftest import src_of
+from ckptshard.tensors import Fill, Source
+from ckptshard.write.copier import Copier
 
 
 @pytest.mark.parametrize("src_off,out_off,numel", CASES)

@@ -1,4 +1,5 @@
 """Loading before or after wrapping, strictness, partial loads, and the wrapping flow's resets."""
+
 import copy
 
 import pytest
@@ -43,8 +44,12 @@ def _worker(rank, world_size, paths, out):
     res["after_wrap_equal"] = _equal(sd, full3)
     oracle = root.get_shard_from_optim_state_dict(copy.deepcopy(torch.load(paths["optim3"], weights_only=True)))
     got = optim.state_dict()
-    res["optim_equal"] = all(torch.equal(got["state"][i][k], v) for i, s in oracle["state"].items()
-                             for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0)
+    res["optim_equal"] = all(
+        torch.equal(got["state"][i][k], v)
+        for i, s in oracle["state"].items()
+        for k, v in s.items()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
 
     # 2. the same checkpoint into the plain, unwrapped model.
     plain = VisslLikeModel()
@@ -74,9 +79,12 @@ def _worker(rank, world_size, paths, out):
     before = root.state_dict()
     rep = load_checkpoint(root, paths["sharded3"], only=["trunk"])
     after = root.state_dict()
-    res["only_trunk"] = (all(torch.equal(after[k], full3[k]) for k in after if k.startswith("trunk.")) and
-                         all(torch.equal(after[k], before[k]) for k in after if k.startswith("heads.")) and
-                         all(k.startswith("heads.") for k in rep.skipped) and rep.skipped != [])
+    res["only_trunk"] = (
+        all(torch.equal(after[k], full3[k]) for k in after if k.startswith("trunk."))
+        and all(torch.equal(after[k], before[k]) for k in after if k.startswith("heads."))
+        and all(k.startswith("heads.") for k in rep.skipped)
+        and rep.skipped != []
+    )
 
     # 6. more than one head is refused, naming the count; wrap_each_head opts in.
     two = VisslLikeModel()
@@ -87,14 +95,15 @@ def _worker(rank, world_size, paths, out):
     except ValueError as e:
         res["two_heads"] = str(e)
     wrapped = wrap_heads_and_model(two, wrap_each_head=True)
-    res["each_head"] = len([m for m in _fsdp_modules(wrapped)]) == 1 + 2 * 3  # root + 2 x (head + 2 prototypes)
+    res["each_head"] = len(list(_fsdp_modules(wrapped))) == 1 + 2 * 3  # root + 2 x (head + 2 prototypes)
 
     # 7. broadcast init: rank 0's head on every rank, whatever each rank's RNG did.
     torch.manual_seed(100 + rank)
     m = VisslLikeModel()
     root = wrap_heads_and_model(m, init="broadcast")
-    res["proto_fp32_unflattened"] = all(not p.flatten_parameters and not p.mixed_precision
-                                        for n, p in root.named_modules() if n.endswith("prototypes0"))
+    res["proto_fp32_unflattened"] = all(
+        not p.flatten_parameters and not p.mixed_precision for n, p in root.named_modules() if n.endswith("prototypes0")
+    )
     w = root.state_dict()["heads.0.projection.0.weight"]
     gathered = [torch.zeros_like(w) for _ in range(world_size)]
     dist.all_gather(gathered, w)
@@ -116,8 +125,13 @@ def loaded(fixtures, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("loading")
     consolidate(str(fixtures[3] / "fairseq"), str(tmp / "full3.pt"), progress=False)
-    paths = {"full3": str(fixtures[3] / "ref" / "full_state_dict.pt"), "optim3": str(fixtures[3] / "ref" / "full_optim.pt"),
-             "sharded3": str(fixtures[3] / "fairseq"), "full3_file": str(tmp / "full3.pt"), "tmp": str(tmp)}
+    paths = {
+        "full3": str(fixtures[3] / "ref" / "full_state_dict.pt"),
+        "optim3": str(fixtures[3] / "ref" / "full_optim.pt"),
+        "sharded3": str(fixtures[3] / "fairseq"),
+        "full3_file": str(tmp / "full3.pt"),
+        "tmp": str(tmp),
+    }
     run_world(_worker, 2, paths, str(tmp / "res.pt"))
     return torch.load(tmp / "res.pt", weights_only=True)
 

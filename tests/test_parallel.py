@@ -1,4 +1,5 @@
 """Parallel writing (--jobs, torchrun) gives the single-process bytes."""
+
 import os
 import subprocess
 import sys
@@ -33,9 +34,29 @@ def test_torchrun_two_ranks_equal_single_process(fixtures, tmp_path):
     src = str(fixtures[4] / "fairseq")
     reshard(src, str(tmp_path / "one"), 5, progress=False)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          "-m", "ckptshard.cli", "reshard", src, "-n", "5", "-o", str(tmp_path / "dist"), "-q"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ckptshard.cli",
+            "reshard",
+            src,
+            "-n",
+            "5",
+            "-o",
+            str(tmp_path / "dist"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("wrote 5 files") == 1  # rank 0 reports (manifest not counted)
     same_files(tmp_path / "one", tmp_path / "dist")
@@ -47,9 +68,29 @@ def test_torchrun_error_on_one_rank_fails_every_rank_promptly(fixtures, tmp_path
     # collective for rank 0 (where torchrun would have to tear it down).
     (tmp_path / "taken").mkdir()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          "-m", "ckptshard.cli", "reshard", str(fixtures[2] / "fairseq"), "-n", "3", "-o",
-                          str(tmp_path / "taken"), "-q"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ckptshard.cli",
+            "reshard",
+            str(fixtures[2] / "fairseq"),
+            "-n",
+            "3",
+            "-o",
+            str(tmp_path / "taken"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0
     assert res.stderr.count("exists; pass --overwrite") == 2  # both ranks, each from its own check
     assert list((tmp_path / "taken").iterdir()) == []
@@ -61,9 +102,29 @@ def test_torchrun_dcp_equals_single_process(fixtures, tmp_path):
     src = str(fixtures[3] / "vissl" / "model_phase2.torch")
     convert(src, str(tmp_path / "one"), "dcp", progress=False)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          "-m", "ckptshard.cli", "convert", src, "--to", "dcp", "-o", str(tmp_path / "dist"), "-q"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ckptshard.cli",
+            "convert",
+            src,
+            "--to",
+            "dcp",
+            "-o",
+            str(tmp_path / "dist"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("wrote ") == 1  # rank 0 reports
     assert len(same_files(tmp_path / "one", tmp_path / "dist")) == 5  # 3 data files, .metadata, manifest
@@ -91,9 +152,30 @@ def test_torchrun_consolidate_equals_single_process(fixtures, tmp_path):
     src = str(fixtures[2] / "metaseq")
     consolidate(src, str(tmp_path / "one"), max_shard_size=1500, optimizer=True, progress=False)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    res = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                          "-m", "ckptshard.cli", "consolidate", src, "--max-shard-size", "1500", "--optimizer",
-                          "-o", str(tmp_path / "dist"), "-q"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "ckptshard.cli",
+            "consolidate",
+            src,
+            "--max-shard-size",
+            "1500",
+            "--optimizer",
+            "-o",
+            str(tmp_path / "dist"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.count("wrote ") == 1  # rank 0 reports
     _consolidated_folders_equal(tmp_path / "one", tmp_path / "dist")
@@ -103,9 +185,23 @@ def test_torchrun_consolidate_equals_single_process(fixtures, tmp_path):
 
 
 def test_jobs_refused_for_a_single_file(fixtures, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "consolidate", str(fixtures[2] / "fairseq"),
-                          "-o", str(tmp_path / "full.safetensors"), "--jobs", "2", "-q"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptshard.cli",
+            "consolidate",
+            str(fixtures[2] / "fairseq"),
+            "-o",
+            str(tmp_path / "full.safetensors"),
+            "--jobs",
+            "2",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert "give --max-shard-size" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())
@@ -117,8 +213,11 @@ def test_a_torchrun_rank_leaves_the_group_then_exits_0_and_a_plain_run_does_noth
     from ckptshard.execute import parallel
 
     calls = []
-    fake = types.SimpleNamespace(is_initialized=lambda: True, barrier=lambda: calls.append("barrier"),
-                                 destroy_process_group=lambda: calls.append("destroy"))
+    fake = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        barrier=lambda: calls.append("barrier"),
+        destroy_process_group=lambda: calls.append("destroy"),
+    )
     monkeypatch.setitem(sys.modules, "torch.distributed", fake)
 
     def exit_(code):
@@ -141,7 +240,7 @@ def test_workers_hash_what_they_write_so_the_parent_reads_no_output_again(fixtur
 
     from xxhash import xxh3_128
 
-    import ckptshard.io.manifest as manifest
+    import ckptshard.osio.manifest as manifest
     from ckptshard.execute.consolidate import consolidate
     from ckptshard.execute.convert import convert
 
@@ -176,11 +275,13 @@ def _three_ways(fixtures, out, monkeypatch):
 
     from ckptshard.execute.consolidate import consolidate
     from ckptshard.execute.convert import convert
-    from ckptshard.io.fill import Copier
+    from ckptshard.write.copier import Copier
 
     names = set()
     real = Copier.fill
-    monkeypatch.setattr(Copier, "fill", lambda self, *a: (names.add(threading.current_thread().name), real(self, *a))[1])
+    monkeypatch.setattr(
+        Copier, "fill", lambda self, *a: (names.add(threading.current_thread().name), real(self, *a))[1]
+    )
     out.mkdir()
     seen = []
     reshard(str(fixtures[3] / "vissl"), str(out / "re"), 5, progress=False)
@@ -240,21 +341,24 @@ def test_a_failing_writer_thread_fails_the_command_and_leaves_no_output(fixtures
     assert len(started) == 2  # shards 2-4, not yet started when shard1 failed, were never begun
 
 
-@pytest.mark.parametrize("files, pieces, nbytes, cores, want", [
-    (8, 912, 3 << 30, 2, 2),  # Adam state, reshard 3->8: runs of 3.4 MiB (1.20 s in threads, 0.89 s in 2 processes)
-    (8, 930, 2 << 30, 2, 2),  # 92 FSDP instances, reshard 3->8: runs of 2.2 MiB (1.00 s, 0.66 s)
-    (8, 240, 2 << 30, 2, 1),  # weights, 24 instances: runs of 8.5 MiB (0.61 s, 0.59 s: not worth two interpreters)
-    (12, 216, 2 << 30, 2, 1),  # a consolidated folder of 256 MiB files: runs of 9.5 MiB (0.51 s, 0.55 s)
-    (3, 1100, 3 << 30, 2, 1),  # 3 files for 2 processes: one writes two while the other idles (0.56 s, 0.63 s)
-    (8, 912, 3 << 30, 1, 1),  # one core: nothing to share
-    (8, 912, 32 << 20, 2, 1),  # small: starting the workers (about 0.06 s) costs more than it saves
-    (64, 9000, 8 << 30, 16, 16),  # many cores, enough files: one process per core
-    (8, 912, 3 << 30, 16, 4),  # many cores, 8 files: two per process (16 cores: 0.99 s threads, 0.87 s in 4)
-    (48, 115_000, 3 << 28, 2, 2),  # 64 shards of 400 instances -> 48, 0.75 GiB: 11.2 s threads, 7.5 s in 2
-    (48, 115_000, 3 << 28, 16, 16),  # the same on 16 cores: 32.6 s threads, 12.2 s in 16
-    (12, 8642, 51 << 20, 2, 2),  # small, but many runs: 0.71 s threads, 0.62 s in 2
-    (12, 2727, 51 << 20, 2, 1),  # small, fewer runs: 0.41 s, 0.38 s: within the noise, keep one process
-])
+@pytest.mark.parametrize(
+    "files, pieces, nbytes, cores, want",
+    [
+        (8, 912, 3 << 30, 2, 2),  # Adam state, reshard 3->8: runs of 3.4 MiB (1.20 s in threads, 0.89 s in 2 processes)
+        (8, 930, 2 << 30, 2, 2),  # 92 FSDP instances, reshard 3->8: runs of 2.2 MiB (1.00 s, 0.66 s)
+        (8, 240, 2 << 30, 2, 1),  # weights, 24 instances: runs of 8.5 MiB (0.61 s, 0.59 s: not worth two interpreters)
+        (12, 216, 2 << 30, 2, 1),  # a consolidated folder of 256 MiB files: runs of 9.5 MiB (0.51 s, 0.55 s)
+        (3, 1100, 3 << 30, 2, 1),  # 3 files for 2 processes: one writes two while the other idles (0.56 s, 0.63 s)
+        (8, 912, 3 << 30, 1, 1),  # one core: nothing to share
+        (8, 912, 32 << 20, 2, 1),  # small: starting the workers (about 0.06 s) costs more than it saves
+        (64, 9000, 8 << 30, 16, 16),  # many cores, enough files: one process per core
+        (8, 912, 3 << 30, 16, 4),  # many cores, 8 files: two per process (16 cores: 0.99 s threads, 0.87 s in 4)
+        (48, 115_000, 3 << 28, 2, 2),  # 64 shards of 400 instances -> 48, 0.75 GiB: 11.2 s threads, 7.5 s in 2
+        (48, 115_000, 3 << 28, 16, 16),  # the same on 16 cores: 32.6 s threads, 12.2 s in 16
+        (12, 8642, 51 << 20, 2, 2),  # small, but many runs: 0.71 s threads, 0.62 s in 2
+        (12, 2727, 51 << 20, 2, 1),  # small, fewer runs: 0.41 s, 0.38 s: within the noise, keep one process
+    ],
+)
 def test_auto_processes_follows_the_measured_cases(files, pieces, nbytes, cores, want):
     from ckptshard.execute.parallel import auto_processes
 
@@ -277,7 +381,7 @@ def test_default_jobs_chooses_from_the_plan_and_gives_the_same_bytes(fixtures, t
     with pytest.raises(SystemExit) as done:
         main(["reshard", src, "-n", "5", "-o", str(tmp_path / "auto"), "-q"], prog_name="ckptshard")
     assert done.value.code == 0
-    (files, pieces, nbytes), = asked
+    ((files, pieces, nbytes),) = asked
     assert files == 5 and pieces >= files and nbytes > 0
     reshard(src, str(tmp_path / "one"), 5, progress=False, jobs=1)
     assert len(same_files(tmp_path / "one", tmp_path / "auto")) == 7

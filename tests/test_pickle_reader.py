@@ -1,18 +1,22 @@
 """The torch-free pickle reader against torch.load, on every real FSDP fixture file."""
+
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from ckptshard.dtypes import StoredDType, dtype_name
-from ckptshard.execute.consolidate import consolidate
-from ckptshard.io.pickle_reader import Size, Unsupported, read_torch_zip
-from ckptshard.io.safe_load import TensorRef, load_lazy
-from ckptshard.io.source import open_checkpoint
-from ckptshard.io.tree import leaves
 from conftest import CONTAINERS, SOURCE_WORLD_SIZES, src_of
+
+from ckptshard.dtypes import Size, StoredDType, dtype_name
+from ckptshard.execute.consolidate import consolidate
+from ckptshard.formats.torch_pickle import Unsupported
+from ckptshard.read.safe_load import load_lazy
+from ckptshard.read.source import open_checkpoint
+from ckptshard.read.tensor_data import read_scalar, read_tensor
+from ckptshard.read.torch_file import read_torch_zip
+from ckptshard.tensors import TensorRef
+from ckptshard.tree import leaves
 
 
 def fixture_files(fixtures, half_fixture, frozen_fixture):
@@ -44,16 +48,23 @@ def test_reads_every_fixture_file_as_torch_load_does(fixtures, half_fixture, fro
 
 
 def test_scalars_read_without_torch(tmp_path):
-    values = {"f32": torch.tensor(1.5), "f64": torch.tensor(-2.25, dtype=torch.float64),
-              "f16": torch.tensor(3.0, dtype=torch.float16), "bf16": torch.tensor(-0.75, dtype=torch.bfloat16),
-              "i64": torch.tensor(7), "i32": torch.tensor(-3, dtype=torch.int32),
-              "u8": torch.tensor(200, dtype=torch.uint8), "b": torch.tensor(True), "one": torch.tensor([4.0])}
+    values = {
+        "f32": torch.tensor(1.5),
+        "f64": torch.tensor(-2.25, dtype=torch.float64),
+        "f16": torch.tensor(3.0, dtype=torch.float16),
+        "bf16": torch.tensor(-0.75, dtype=torch.bfloat16),
+        "i64": torch.tensor(7),
+        "i32": torch.tensor(-3, dtype=torch.int32),
+        "u8": torch.tensor(200, dtype=torch.uint8),
+        "b": torch.tensor(True),
+        "one": torch.tensor([4.0]),
+    }
     torch.save(values, tmp_path / "s.pt")
     got = read_torch_zip(str(tmp_path / "s.pt"))
     for k, v in values.items():
-        assert got[k].scalar() == v.item(), k
+        assert read_scalar(got[k]) == v.item(), k
     with pytest.raises(ValueError):
-        TensorRef(str(tmp_path / "s.pt"), 0, StoredDType("float32"), (2,), (1,)).scalar()
+        read_scalar(TensorRef(str(tmp_path / "s.pt"), 0, StoredDType("float32"), (2,), (1,)))
 
 
 def test_torch_size_reads_as_torch_prints_it(tmp_path):
@@ -61,7 +72,7 @@ def test_torch_size_reads_as_torch_prints_it(tmp_path):
     got, want = read_torch_zip(str(tmp_path / "x.pt")), load_lazy(str(tmp_path / "x.pt"))
     assert isinstance(got["shapes"][0], Size) and repr(got["shapes"][0]) == "torch.Size([3, 4])"
     assert not got["t"].contiguous and (got["t"].offset, got["t"].stride) == (want["t"].offset, want["t"].stride)
-    assert torch.equal(got["t"].read(), torch.arange(6).view(2, 3)[:, 1:])
+    assert torch.equal(read_tensor(got["t"]), torch.arange(6).view(2, 3)[:, 1:])
 
 
 @pytest.mark.parametrize("extra", [torch.float16, torch.device("cpu"), torch.zeros(2, dtype=torch.complex64)])
@@ -94,20 +105,31 @@ def test_one_unreadable_file_sends_every_file_through_torch(fixtures, tmp_path):
 
 
 def _consolidate_cli(src, out, env_extra=None):
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     env = dict(os.environ, **(env_extra or {}))
-    res = subprocess.run([sys.executable, "-c", code, "consolidate", src, "-o", out, "-q"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", code, "consolidate", src, "-o", out, "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("which", ["fairseq-3", "vissl-4", "half", "frozen"])
 def test_safetensors_without_torch_equals_with_torch(fixtures, half_fixture, frozen_fixture, tmp_path, which):
-    src = {"fairseq-3": src_of(fixtures[3], "fairseq"), "vissl-4": src_of(fixtures[4], "vissl"),
-           "half": src_of(half_fixture, "metaseq"), "frozen": src_of(frozen_fixture, "fairseq")}[which]
+    src = {
+        "fairseq-3": src_of(fixtures[3], "fairseq"),
+        "vissl-4": src_of(fixtures[4], "vissl"),
+        "half": src_of(half_fixture, "metaseq"),
+        "frozen": src_of(frozen_fixture, "fairseq"),
+    }[which]
     assert _consolidate_cli(src, str(tmp_path / "fast.safetensors")) == "NO-TORCH"
     assert _consolidate_cli(src, str(tmp_path / "torch.safetensors"), {"CKPTSHARD_TORCH_READER": "1"}) == "TORCH"
     assert (tmp_path / "fast.safetensors").read_bytes() == (tmp_path / "torch.safetensors").read_bytes()
@@ -120,8 +142,11 @@ def test_safetensors_without_torch_equals_with_torch(fixtures, half_fixture, fro
 def test_inspect_without_torch_equals_with_torch(fixtures, frozen_fixture, monkeypatch, which):
     from ckptshard.execute.inspect import format_summary, inspect_checkpoint
 
-    src = {"fairseq-2": src_of(fixtures[2], "fairseq"), "vissl-3": src_of(fixtures[3], "vissl"),
-           "frozen": src_of(frozen_fixture, "metaseq")}[which]
+    src = {
+        "fairseq-2": src_of(fixtures[2], "fairseq"),
+        "vissl-3": src_of(fixtures[3], "vissl"),
+        "frozen": src_of(frozen_fixture, "metaseq"),
+    }[which]
     fast = inspect_checkpoint(src)
     monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
     slow = inspect_checkpoint(src)
@@ -130,19 +155,31 @@ def test_inspect_without_torch_equals_with_torch(fixtures, frozen_fixture, monke
 
 
 def test_inspect_cli_imports_no_torch(fixtures):
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
-    res = subprocess.run([sys.executable, "-c", code, "inspect", src_of(fixtures[3], "fairseq")],
-                         capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, "inspect", src_of(fixtures[3], "fairseq")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "world size  3" in res.stdout and res.stdout.strip().endswith("NO-TORCH")
 
 
 def test_parameters_views_and_shared_storage(tmp_path):
     base = torch.arange(20, dtype=torch.float32)
-    obj = {"p": torch.nn.Parameter(torch.randn(3, 2)), "view": base[5:10], "same": base, "col": base.view(4, 5)[:, 2],
-           "h": torch.ones(4, dtype=torch.float16), "nested": [({"a": base[1:3]},)]}
+    obj = {
+        "p": torch.nn.Parameter(torch.randn(3, 2)),
+        "view": base[5:10],
+        "same": base,
+        "col": base.view(4, 5)[:, 2],
+        "h": torch.ones(4, dtype=torch.float16),
+        "nested": [({"a": base[1:3]},)],
+    }
     torch.save(obj, tmp_path / "x.pt")
     got, want = read_torch_zip(str(tmp_path / "x.pt")), load_lazy(str(tmp_path / "x.pt"))
     assert_same_tree(got, want, "x.pt")
@@ -151,7 +188,7 @@ def test_parameters_views_and_shared_storage(tmp_path):
             saved = obj
             for k in path:
                 saved = saved[k]
-            assert torch.equal(ref.read(), saved.detach()), path
+            assert torch.equal(read_tensor(ref), saved.detach()), path
 
 
 def _legacy_copy(src, dst):
@@ -163,7 +200,8 @@ def _legacy_copy(src, dst):
 
 
 def _tensor_values(tree):
-    from ckptshard.io.fill import read_fill, whole
+    from ckptshard.read.tensor_data import read_fill
+    from ckptshard.tensors import whole
 
     return [(p, read_fill(whole(v)) if isinstance(v, TensorRef) else v) for p, v in leaves(tree)]
 
@@ -171,7 +209,7 @@ def _tensor_values(tree):
 @pytest.mark.parametrize("container", CONTAINERS)
 def test_legacy_format_reads_lazily_and_converts_like_the_zip_format(fixtures, tmp_path, container):
     from ckptshard.execute.reshard import reshard
-    from ckptshard.io.pickle_reader import read_torch_legacy
+    from ckptshard.read.torch_file import read_torch_legacy
 
     src = fixtures[3] / container
     legacy = _legacy_copy(src, tmp_path / "legacy")

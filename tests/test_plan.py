@@ -1,4 +1,5 @@
 """Copy plans: every target element written exactly once, from the right source element."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,8 +49,8 @@ def test_pieces_of_a_member_reassemble_it(numel, m, data):
 
 
 def test_elementwise_state_tells_moments_from_per_parameter_scalars():
-    from ckptshard.io.safe_load import TensorRef
     from ckptshard.plan.shard import elementwise_state
+    from ckptshard.tensors import TensorRef
 
     def t(*shape):
         return TensorRef("x", 0, torch.float32, shape, ())

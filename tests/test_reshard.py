@@ -1,18 +1,28 @@
 """reshard against real fairscale FSDP at the target world size."""
+
 import pytest
 import torch
+from conftest import (
+    CONTAINERS,
+    SOURCE_WORLD_SIZES,
+    TARGET_WORLD_SIZES,
+    load_ref,
+    src_of,
+)
 from fairscale.nn import FullyShardedDataParallel as FSDP
 
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
-from conftest import CONTAINERS, SOURCE_WORLD_SIZES, TARGET_WORLD_SIZES, load_ref, src_of
 
 PAIRS = [(m, n) for m in SOURCE_WORLD_SIZES for n in TARGET_WORLD_SIZES]
 
 
 def rank_file(folder, container, rank):
-    name = {"fairseq": "checkpoint_last-shard{}.pt", "metaseq": "checkpoint_last-model_part-0-shard{}.pt",
-            "vissl": "model_phase2_shard{}.torch"}[container]
+    name = {
+        "fairseq": "checkpoint_last-shard{}.pt",
+        "metaseq": "checkpoint_last-model_part-0-shard{}.pt",
+        "vissl": "model_phase2_shard{}.torch",
+    }[container]
     return torch.load(folder / name.format(rank), weights_only=True)
 
 
@@ -63,7 +73,11 @@ def test_resharded_equals_fsdp_at_target_world_size(fixtures, resharded, oracles
     out = resharded[(m, container, n)]
     for r in range(n):
         oracle = torch.load(oracles[(m, n)] / f"rank{r}.pt", weights_only=True)
-        want_parts = [(oracle["trunk"], oracle["trunk_meta"]), (oracle["head"], oracle["head_meta"])] if container == "vissl" else [(oracle["local"], oracle["meta"])]
+        want_parts = (
+            [(oracle["trunk"], oracle["trunk_meta"]), (oracle["head"], oracle["head_meta"])]
+            if container == "vissl"
+            else [(oracle["local"], oracle["meta"])]
+        )
         ours = rank_file(out, container, r)
         source_parts = parts_of(rank_file(fixtures[m] / container, container, r), container) if m == n else None
         for i, ((gw, gm), (ww, wm)) in enumerate(zip(parts_of(ours, container), want_parts)):
@@ -89,7 +103,9 @@ def test_fsdp_at_target_world_size_loads_resharded_output_strictly(fixtures, ora
     # The oracle processes loaded our files with load_local_state_dict(strict=True) and
     # optimizer.load_state_dict; the model's full state afterwards must be the original.
     after = torch.load(oracles[(m, n)] / "candidate_full.pt", weights_only=True)["state_dict"]
-    assert_tensors_equal(dict(sorted(after.items())), dict(sorted(load_ref(fixtures[m], "full_state_dict.pt").items())), "after load")
+    assert_tensors_equal(
+        dict(sorted(after.items())), dict(sorted(load_ref(fixtures[m], "full_state_dict.pt").items())), "after load"
+    )
     for r in range(n):
         loaded = torch.load(oracles[(m, n)] / f"candidate_optim{r}.pt", weights_only=True)["optim"]
         oracle = torch.load(oracles[(m, n)] / f"rank{r}.pt", weights_only=True)["optim"]
@@ -113,7 +129,9 @@ def test_world_size_1_source_reshards(resharded, fixtures, container, n, tmp_pat
 def test_fairscale_offline_consolidates_our_output(resharded, fixtures, m, n):
     folder = resharded[(m, "fairseq", n)]
     shards = [rank_file(folder, "fairseq", r) for r in range(n)]
-    full = FSDP.consolidate_shard_weights([s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False)
+    full = FSDP.consolidate_shard_weights(
+        [s["model"] for s in shards], [s["fsdp_metadata"] for s in shards], strict=False
+    )
     want = load_ref(fixtures[m], "full_state_dict.pt")
     want.pop("trunk.embed_out.weight")  # fairscale #815: its helper drops this nested tie
     assert_tensors_equal(dict(sorted(full.items())), dict(sorted(want.items())), "fairscale offline")
@@ -129,8 +147,9 @@ def test_same_world_size_is_an_exact_copy(fixtures, container, tmp_path):
             assert_tensors_equal(bw, aw, f"rank {r}")
             assert am == bm
         assert_optim_equal(optim_of(b, container), optim_of(a, container), f"rank {r}")
-        assert {k: v for k, v in a.items() if k not in ("model", "classy_state_dict", "last_optimizer_state")} == \
-               {k: v for k, v in b.items() if k not in ("model", "classy_state_dict", "last_optimizer_state")}
+        assert {k: v for k, v in a.items() if k not in ("model", "classy_state_dict", "last_optimizer_state")} == {
+            k: v for k, v in b.items() if k not in ("model", "classy_state_dict", "last_optimizer_state")
+        }
 
 
 @pytest.mark.parametrize("container", CONTAINERS)

@@ -1,12 +1,19 @@
 """shard: full state dict + a template's wrapping -> N shards, equal to real FSDP at N."""
+
 import pytest
 import torch
+from conftest import CONTAINERS, src_of
+from test_reshard import (
+    assert_optim_equal,
+    assert_tensors_equal,
+    optim_of,
+    parts_of,
+    rank_file,
+)
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard, shard
-from conftest import CONTAINERS, src_of
-from test_reshard import assert_optim_equal, assert_tensors_equal, optim_of, parts_of, rank_file
 
 
 @pytest.mark.parametrize("container", CONTAINERS)
@@ -56,17 +63,23 @@ def test_shard_imports_no_torch_and_equals_the_torch_reader(fixtures, fmt, tmp_p
     full = str(tmp_path / f"full{fmt}")
     consolidate(src, full, optimizer=fmt == ".pt", progress=False)
     opt = ["--optimizer", str(tmp_path / "full.optim.pt")] if fmt == ".pt" else []
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
     args = ["shard", full, "--like", src, "-n", "2", "-q", *opt]
-    res = subprocess.run([sys.executable, "-c", code, *args, "-o", str(tmp_path / "free")],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code, *args, "-o", str(tmp_path / "free")], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
     monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
     shard(full, src, str(tmp_path / "torch"), 2, optimizer=opt[1] if opt else None, progress=False)
     for r in range(2):
         name = f"checkpoint_last-shard{r}.pt"
-        _assert_tree_equal(torch.load(tmp_path / "free" / name, weights_only=True),
-                           torch.load(tmp_path / "torch" / name, weights_only=True), name)
+        _assert_tree_equal(
+            torch.load(tmp_path / "free" / name, weights_only=True),
+            torch.load(tmp_path / "torch" / name, weights_only=True),
+            name,
+        )

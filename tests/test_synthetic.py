@@ -1,4 +1,5 @@
 """The benchmark's synthetic generator writes what real FSDP saves for the same weights."""
+
 import torch
 
 from ckptshard.fsdp.launch import run_world

@@ -1,4 +1,5 @@
 """The torch-free torch.save writer: what torch.load reads back equals the torch-written file."""
+
 import os
 import subprocess
 import sys
@@ -6,16 +7,17 @@ import zipfile
 
 import pytest
 import torch
+from conftest import src_of
 
 from ckptshard.dtypes import Size, StoredDType
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
-from ckptshard.io.fill import Fill
-from ckptshard.io.pickle_reader import Unsupported
-from ckptshard.io.torch_save import ALIGN, write_skeleton
-from ckptshard.io.tree import leaves
-from ckptshard.io.zip_crc import deferred_crcs
-from conftest import src_of
+from ckptshard.formats.torch_pickle import Unsupported
+from ckptshard.formats.torch_save import ALIGN
+from ckptshard.osio.zip_crc import deferred_crcs
+from ckptshard.tensors import Fill
+from ckptshard.tree import leaves
+from ckptshard.write.torch_file import write_skeleton
 
 
 def assert_same_loaded(a_path, b_path):
@@ -31,14 +33,17 @@ def assert_same_loaded(a_path, b_path):
             assert x == y, (a_path, path)
     with zipfile.ZipFile(a_path) as z:
         assert z.testzip() is None
-        assert {n.split("/", 1)[1] for n in z.namelist()} == {n.split("/", 1)[1] for n in zipfile.ZipFile(b_path).namelist()}
+        assert {n.split("/", 1)[1] for n in z.namelist()} == {
+            n.split("/", 1)[1] for n in zipfile.ZipFile(b_path).namelist()
+        }
     torch.load(a_path, weights_only=True, mmap=True)  # data aligned as torch's mmap loading needs
 
 
 @pytest.mark.parametrize("which", ["fairseq", "metaseq", "vissl", "half", "frozen"])
 def test_reshard_without_torch_equals_with_torch(fixtures, half_fixture, frozen_fixture, tmp_path, monkeypatch, which):
-    src = {"half": src_of(half_fixture, "metaseq"), "frozen": src_of(frozen_fixture, "fairseq")}.get(which) \
-        or src_of(fixtures[3], which)
+    src = {"half": src_of(half_fixture, "metaseq"), "frozen": src_of(frozen_fixture, "fairseq")}.get(which) or src_of(
+        fixtures[3], which
+    )
     reshard(src, str(tmp_path / "fast"), 2, progress=False)
     monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
     reshard(src, str(tmp_path / "torch"), 2, progress=False)
@@ -61,11 +66,28 @@ def test_consolidate_container_and_optimizer_without_torch(fixtures, tmp_path, m
 
 
 def test_reshard_cli_imports_no_torch(fixtures, tmp_path):
-    code = ("import sys; from ckptshard.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
-    res = subprocess.run([sys.executable, "-c", code, "reshard", src_of(fixtures[3], "vissl"), "-n", "2", "-o",
-                          str(tmp_path / "out"), "-q"], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from ckptshard.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "reshard",
+            src_of(fixtures[3], "vissl"),
+            "-n",
+            "2",
+            "-o",
+            str(tmp_path / "out"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
@@ -74,16 +96,43 @@ def test_layout_matches_torch_save(tmp_path):
     """Records, alignment and the pickle's values, against torch.save of the same tree."""
     f32, i64 = StoredDType("float32"), StoredDType("int64")
     a, b = Fill((2, 3), f32, ()), Fill((0,), i64, ())
-    tree = {"w": a, "tied": a, "empty": b, "meta": {"shapes": [Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1,
-                                                   "s": "é", "b": b"\x00\xff", "none": None, "t": (1, True)}}
+    tree = {
+        "w": a,
+        "tied": a,
+        "empty": b,
+        "meta": {
+            "shapes": [Size((2, 3))],
+            "n": -7,
+            "big": 2**40,
+            "f": 0.1,
+            "s": "é",
+            "b": b"\x00\xff",
+            "none": None,
+            "t": (1, True),
+        },
+    }
     skeleton = write_skeleton(str(tmp_path / "ours.pt"), tree)
     offsets = skeleton.offsets
     assert all(off % ALIGN == 0 for off in offsets.values()) and len(offsets) == 2
     # Where the writer says each CRC goes is where a zip reader finds it (non-empty tensors only).
     assert skeleton.crcs == deferred_crcs(str(tmp_path / "ours.pt"), [offsets[id(a)]])
-    torch.save({"w": torch.zeros(2, 3), "empty": torch.zeros(0, dtype=torch.int64),
-                "meta": {"shapes": [torch.Size((2, 3))], "n": -7, "big": 2**40, "f": 0.1, "s": "é", "b": b"\x00\xff",
-                         "none": None, "t": (1, True)}}, tmp_path / "theirs.pt")
+    torch.save(
+        {
+            "w": torch.zeros(2, 3),
+            "empty": torch.zeros(0, dtype=torch.int64),
+            "meta": {
+                "shapes": [torch.Size((2, 3))],
+                "n": -7,
+                "big": 2**40,
+                "f": 0.1,
+                "s": "é",
+                "b": b"\x00\xff",
+                "none": None,
+                "t": (1, True),
+            },
+        },
+        tmp_path / "theirs.pt",
+    )
     ours = torch.load(tmp_path / "ours.pt", weights_only=True)
     theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
     assert ours["tied"] is ours["w"]  # a tie stays one tensor
@@ -117,8 +166,8 @@ def test_files_past_4_gib_are_zip64_and_load_in_torch(tmp_path):
 
 def test_zip64_layout_of_small_files_reads_back_everywhere(fixtures, tmp_path, monkeypatch):
     """zip64 forced on small outputs: torch, zipfile's CRC check and ckptshard's own reader all read them."""
-    import ckptshard.io.torch_save as torch_save
-    from ckptshard.io.pickle_reader import read_torch_zip
+    import ckptshard.formats.torch_save as torch_save
+    from ckptshard.read.torch_file import read_torch_zip
 
     src = src_of(fixtures[3], "fairseq")
     consolidate(src, str(tmp_path / "plain.pt"), container=True, optimizer=True, progress=False)
@@ -127,7 +176,8 @@ def test_zip64_layout_of_small_files_reads_back_everywhere(fixtures, tmp_path, m
     consolidate(src, str(tmp_path / "z64.pt"), container=True, optimizer=True, progress=False)
     reshard(src, str(tmp_path / "z64-re"), 2, progress=False)
     pairs = [(tmp_path / "z64.pt", tmp_path / "plain.pt")] + [
-        (p, tmp_path / "plain-re" / p.name) for p in sorted((tmp_path / "z64-re").glob("*-shard*.pt"))]
+        (p, tmp_path / "plain-re" / p.name) for p in sorted((tmp_path / "z64-re").glob("*-shard*.pt"))
+    ]
     assert len(pairs) == 3
     for z64, plain in pairs:
         with open(z64, "rb") as f:
@@ -145,10 +195,10 @@ def test_zip64_layout_of_small_files_reads_back_everywhere(fixtures, tmp_path, m
 @pytest.mark.parametrize("hashed", [True, False])
 def test_write_torch_sets_every_crc_with_or_without_a_hash_pass(tmp_path, hashed):
     """The hash pass writes the CRCs where the layout says; without one, the writer sets them itself."""
-    from ckptshard.io.fill import Copier, Source
-    from ckptshard.io.hashing import Hashes
-    from ckptshard.io.safe_load import TensorRef
-    from ckptshard.io.writers import write_torch
+    from ckptshard.osio.hashing import Hashes
+    from ckptshard.tensors import Source, TensorRef
+    from ckptshard.write.copier import Copier
+    from ckptshard.write.torch_file import write_torch
 
     f32 = StoredDType("float32")
     values = torch.arange(3000, dtype=torch.float32)
@@ -175,7 +225,7 @@ def test_write_torch_sets_every_crc_with_or_without_a_hash_pass(tmp_path, hashed
 def _python_pickle(tree):
     import io
 
-    from ckptshard.io.torch_save import _Pickler
+    from ckptshard.formats.torch_save import _Pickler
 
     buf = io.BytesIO()
     _Pickler(buf).dump(tree)
@@ -187,13 +237,20 @@ def test_c_pickler_writes_the_python_picklers_bytes():
     import argparse
     import collections
 
-    from ckptshard.io.torch_save import _pickle
+    from ckptshard.formats.torch_save import _pickle
 
     a = Fill((3, 4), StoredDType("float32"), ())
-    tree = {"model": collections.OrderedDict((f"l{i}.w", Fill((i + 1,), StoredDType("bfloat16"), ())) for i in range(300)),
-            "tied": a, "again": a, "step": Fill((), StoredDType("int64"), ()), "mask": Fill((2,), StoredDType("bool"), ()),
-            "shapes": [Size((2, 3)), torch.Size((4,)), Size(())], "args": argparse.Namespace(lr=0.1),
-            "groups": [{"params": list(range(300)), "betas": (0.9, 0.999)}], "sets": ({1, 2}, frozenset({3}))}
+    tree = {
+        "model": collections.OrderedDict((f"l{i}.w", Fill((i + 1,), StoredDType("bfloat16"), ())) for i in range(300)),
+        "tied": a,
+        "again": a,
+        "step": Fill((), StoredDType("int64"), ()),
+        "mask": Fill((2,), StoredDType("bool"), ()),
+        "shapes": [Size((2, 3)), torch.Size((4,)), Size(())],
+        "args": argparse.Namespace(lr=0.1),
+        "groups": [{"params": list(range(300)), "betas": (0.9, 0.999)}],
+        "sets": ({1, 2}, frozenset({3})),
+    }
     pkl, storages = _pickle(tree)
     assert pkl == _python_pickle(tree)
     assert len(storages) == 303 and b"ckptshard" not in pkl
@@ -201,8 +258,8 @@ def test_c_pickler_writes_the_python_picklers_bytes():
 
 def test_a_string_that_looks_like_a_stand_in_is_kept(tmp_path):
     """A string holding a stand-in's GLOBAL text must not be renamed: that file goes through the Python pickler."""
-    from ckptshard.io import torch_names
-    from ckptshard.io.torch_save import _pickle
+    from ckptshard.formats import torch_names
+    from ckptshard.formats.torch_save import _pickle
 
     text = torch_names.marker("FloatStorage").decode()
     tree = {text: Fill((2,), StoredDType("float32"), ()), "note": text}

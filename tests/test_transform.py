@@ -1,24 +1,34 @@
 """consolidate --select/--strip-prefix/--rename/--dtype."""
+
 import subprocess
 import sys
 
 import pytest
 import safetensors.torch
 import torch
+from conftest import load_ref
 
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
-from conftest import load_ref
 
 
 def test_trunk_only_with_plain_names(fixtures, tmp_path):
     out = tmp_path / "trunk.safetensors"
-    consolidate(str(fixtures[3] / "vissl" / "model_phase2.torch"), str(out), select=["trunk."],
-                strip_prefix=["trunk."], rename=["embed_in=stem.conv", "blocks.=layer"], progress=False)
+    consolidate(
+        str(fixtures[3] / "vissl" / "model_phase2.torch"),
+        str(out),
+        select=["trunk."],
+        strip_prefix=["trunk."],
+        rename=["embed_in=stem.conv", "blocks.=layer"],
+        progress=False,
+    )
     got = safetensors.torch.load_file(str(out))
     full = load_ref(fixtures[3], "full_state_dict.pt")
-    want = {k[len("trunk."):].replace("embed_in", "stem.conv").replace("blocks.", "layer"): v
-            for k, v in full.items() if k.startswith("trunk.")}
+    want = {
+        k[len("trunk.") :].replace("embed_in", "stem.conv").replace("blocks.", "layer"): v
+        for k, v in full.items()
+        if k.startswith("trunk.")
+    }
     assert set(got) == set(want) and "layer0.fc.weight" in got and "stem.conv.weight" in got
     assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -47,6 +57,19 @@ def test_collisions_and_bad_options_refused(fixtures, tmp_path):
     with pytest.raises(CheckpointError, match="not with --container"):
         consolidate(src, str(tmp_path / "x.pt"), select=["trunk."], container=True, progress=False)
     assert list(tmp_path.iterdir()) == []
-    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "consolidate", src, "-o", str(tmp_path / "y.pt"),
-                          "--rename", "noequals"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptshard.cli",
+            "consolidate",
+            src,
+            "-o",
+            str(tmp_path / "y.pt"),
+            "--rename",
+            "noequals",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and "expected FROM=TO" in res.stderr

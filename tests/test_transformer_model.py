@@ -7,19 +7,20 @@ moments as per-rank scalars and replaces the whole flat parameter's moments
 with them. There the live model decides: ckptshard's shard, loaded into
 FSDP at N and gathered again, gives back the original optimizer state.
 """
+
 import hashlib
 import pathlib
 
 import pytest
 import torch
+from conftest import _once
 from safetensors.torch import load_file
+from test_reshard import assert_optim_equal, assert_tensors_equal
 
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.convert import convert
 from ckptshard.execute.reshard import reshard, shard
 from ckptshard.testing import transformer
-from conftest import _once
-from test_reshard import assert_optim_equal, assert_tensors_equal
 
 SOURCE_WS = 3
 TARGETS = (2, 5)
@@ -31,8 +32,10 @@ SHARD = "checkpoint_last-shard{}.pt"
 def lm(cache_root, tmp_path_factory):
     """Source shards (cached), ckptshard's outputs from them, and what live FSDP at each target makes of those."""
     code = hashlib.sha256(pathlib.Path(transformer.__file__).read_bytes()).hexdigest()[:8]  # its own cache key
-    src_root = _once(cache_root / f"tinylm-ws{SOURCE_WS}-{code}",
-                     lambda d: transformer.build_transformer_fixture(d, list(VARIANTS), SOURCE_WS))
+    src_root = _once(
+        cache_root / f"tinylm-ws{SOURCE_WS}-{code}",
+        lambda d: transformer.build_transformer_fixture(d, list(VARIANTS), SOURCE_WS),
+    )
     work = tmp_path_factory.mktemp("tinylm")
     out = {"src_root": src_root, "work": work}
     for v in VARIANTS:
@@ -42,11 +45,18 @@ def lm(cache_root, tmp_path_factory):
         for n in TARGETS:
             reshard(src, str(work / v / f"r{n}"), n, progress=False)
     for n in TARGETS:
-        jobs = [{"variant": v, "ref": str(src_root / v / "ref.pt"), "resharded": str(work / v / f"r{n}"),
-                 "src": str(src_root / v / "src"),
-                 "full": str(work / v / "full.pt"),
-                 "full_optim": str(work / v / "full.optim.pt"),
-                 "out": str(work / v / f"check{n}")} for v in VARIANTS]
+        jobs = [
+            {
+                "variant": v,
+                "ref": str(src_root / v / "ref.pt"),
+                "resharded": str(work / v / f"r{n}"),
+                "src": str(src_root / v / "src"),
+                "full": str(work / v / "full.pt"),
+                "full_optim": str(work / v / "full.optim.pt"),
+                "out": str(work / v / f"check{n}"),
+            }
+            for v in VARIANTS
+        ]
         transformer.check_at_world_size(jobs, n)
     return out
 
@@ -70,10 +80,14 @@ def test_fixture_has_what_it_claims(lm):
     assert any(not e["params"] for e in meta), "an FSDP instance without parameters"
     assert meta[0]["shared_param_info"], "tied embeddings"
     unflat = shard_file(lm["src_root"] / "unflat" / "src", 0)
-    assert any(len(e["params"]) > 1 and "flat_param_0" not in e["params"] for e in unflat["fsdp_metadata"]["param_metadata"])
+    assert any(
+        len(e["params"]) > 1 and "flat_param_0" not in e["params"] for e in unflat["fsdp_metadata"]["param_metadata"]
+    )
     # The root unflattened: the tie is stored under both names, in no metadata.
     assert "out.weight" in unflat["model"] and "temperature" in unflat["model"]
-    assert not any("out.weight" in e["params"] or e["shared_param_info"] for e in unflat["fsdp_metadata"]["param_metadata"])
+    assert not any(
+        "out.weight" in e["params"] or e["shared_param_info"] for e in unflat["fsdp_metadata"]["param_metadata"]
+    )
     osd = shard_file(lm["src_root"] / "flat" / "src", 0)["last_optimizer_state"]
     assert set(osd["state"][0]) >= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
     # groups: two param groups, and optimizer entry 0 is not the first flat parameter (sizes differ).
@@ -111,7 +125,7 @@ def test_consolidated_optimizer_equals_gather_full_optim_state_dict(lm):
 def test_consolidated_optimizer_equals_the_live_moments(lm, v):
     # Per parameter, each moment equals the one FSDP gathered as if it were the weights (ref["moments"]);
     # this needs none of fairscale's optimizer utilities, which support neither unflat nor groups.
-    from ckptshard.io.source import open_checkpoint
+    from ckptshard.read.source import open_checkpoint
 
     got = torch.load(lm["work"] / v / "full.optim.pt", weights_only=True)
     want = ref(lm, v)["moments"]
@@ -127,8 +141,9 @@ def test_consolidated_optimizer_equals_the_live_moments(lm, v):
     if v == "groups":
         ids = [sorted({got["param_id_map"][x] for x in g["params"]}) for g in got["param_groups"]]
         assert ids == [g["params"] for g in src_groups]
-        res = consolidate(str(lm["src_root"] / v / "src"), str(lm["work"] / v / "again.pt"), optimizer=True,
-                          progress=False)
+        res = consolidate(
+            str(lm["src_root"] / v / "src"), str(lm["work"] / v / "again.pt"), optimizer=True, progress=False
+        )
         assert [n for n in res.notes if "2 param groups" in n and "get_shard_from_optim_state_dict" in n]
 
 
@@ -229,7 +244,10 @@ def test_load_checkpoint_into_the_unwrapped_model(lm, v):
         torch.manual_seed(7)
         plain = transformer.TinyLM()
         if v == "ckptwrap":  # the user's model keeps its checkpoint wrappers, not FSDP
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper,
+            )
+
             plain.layers[0] = checkpoint_wrapper(plain.layers[0])
             plain.norm = checkpoint_wrapper(plain.norm)
         report = load_checkpoint(plain, str(src))
@@ -249,8 +267,14 @@ def test_optimizer_without_per_parameter_state(lm, tmp_path):
     want_groups = shard_file(src, 0)["last_optimizer_state"]["param_groups"]
     reshard(str(src), str(tmp_path / "r"), 2, progress=False)
     consolidate(str(src), str(tmp_path / "full.pt"), optimizer=True, progress=False)
-    shard(str(tmp_path / "full.pt"), str(src), str(tmp_path / "s"), 2, optimizer=str(tmp_path / "full.optim.pt"),
-          progress=False)
+    shard(
+        str(tmp_path / "full.pt"),
+        str(src),
+        str(tmp_path / "s"),
+        2,
+        optimizer=str(tmp_path / "full.optim.pt"),
+        progress=False,
+    )
     convert(str(src), str(tmp_path / "c.dcp"), "dcp", progress=False)
     convert(str(tmp_path / "c.dcp"), str(tmp_path / "d"), "fairscale", like=str(src), world_size=2, progress=False)
     for out in ("r", "s", "d"):

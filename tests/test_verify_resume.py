@@ -1,4 +1,5 @@
 """The verify-resume harness: resumed runs match uninterrupted ones, and it can fail."""
+
 import json
 import subprocess
 import sys
@@ -20,14 +21,24 @@ def test_scenario(results, name):
 
 
 def test_same_world_size_is_bit_exact(results):
-    for name in ("same world size, local shards", "mixed precision, fp32 prototypes", "load and re-save, no step",
-                 "consolidated, loaded before head wrapping", "consolidated, loaded after head wrapping"):
+    for name in (
+        "same world size, local shards",
+        "mixed precision, fp32 prototypes",
+        "load and re-save, no step",
+        "consolidated, loaded before head wrapping",
+        "consolidated, loaded after head wrapping",
+    ):
         assert results[name].max_abs == 0.0 and not results[name].problems, name
 
 
 def test_other_world_sizes_within_tolerance_and_not_trivially(results):
-    for name in ("reshard 2->4", "reshard 4->2", "reshard 2->3", "reshard 3->1",
-                 "two param groups, head listed first, reshard 2->3"):
+    for name in (
+        "reshard 2->4",
+        "reshard 4->2",
+        "reshard 2->3",
+        "reshard 3->1",
+        "two param groups, head listed first, reshard 2->3",
+    ):
         assert 0 < results[name].max_rel <= TOLERANCE, name  # reduction order differs, a little
 
 
@@ -38,22 +49,56 @@ def test_negative_control_is_caught(results):
 
 
 def test_cli_table_json_and_exit_code():
-    res = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify-resume", "--scenario", "re-save", "--json",
-                          "--steps", "4", "--ckpt-step", "2"], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptshard.cli",
+            "verify-resume",
+            "--scenario",
+            "re-save",
+            "--json",
+            "--steps",
+            "4",
+            "--ckpt-step",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert [r["scenario"] for r in rows] == ["load and re-save, no step"] and rows[0]["ok"]
-    extra = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify-resume", "--reshard", "3->2",
-                            "--container", "metaseq", "--steps", "3", "--ckpt-step", "1"], capture_output=True, text=True)
+    extra = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ckptshard.cli",
+            "verify-resume",
+            "--reshard",
+            "3->2",
+            "--container",
+            "metaseq",
+            "--steps",
+            "3",
+            "--ckpt-step",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert extra.returncode == 0, extra.stderr
     assert "reshard 3->2" in extra.stdout and "match" in extra.stdout and "same world size" not in extra.stdout
-    bad = subprocess.run([sys.executable, "-m", "ckptshard.cli", "verify-resume", "--ckpt-step", "9"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckptshard.cli", "verify-resume", "--ckpt-step", "9"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--ckpt-step" in bad.stderr
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 4,
-                    reason="needs 4 CUDA GPUs")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available() or __import__("torch").cuda.device_count() < 4,
+    reason="needs 4 CUDA GPUs",
+)
 def test_cuda_path(tmp_path):
     import dataclasses
 

@@ -1,4 +1,5 @@
 """``consolidate``: shards -> one full state dict (torch.save or safetensors)."""
+
 from __future__ import annotations
 
 import os
@@ -6,27 +7,25 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..errors import CheckpointError
-from ..io.atomic import atomic_output, check_output, check_space
-from ..io.inputs import watched
-from ..io.fill import Copier, Fill, whole
-from ..io.hashing import Hashes
-from ..io.manifest import MANIFEST, build_manifest, manifest_path, write_json
-from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
-from ..io.tree import copy_tree, get_path, map_leaves, set_path
-from ..io.writers import (
-    FILE_OVERHEAD,
-    RECORD_OVERHEAD,
-    safetensors_index_plan,
-    torch_file_size_bound,
-    tree_nbytes,
-    write_index_json,
-    write_safetensors,
-    write_torch,
-)
+from ..formats.safetensors import safetensors_index_plan
+from ..osio.atomic import atomic_output, check_output, check_space
+from ..osio.hashing import Hashes
+from ..osio.inputs import watched
+from ..osio.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
+from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
+from ..tensors import Fill, tree_nbytes, with_fills
+from ..tree import copy_tree, get_path, set_path
+from ..write.copier import Copier
+from ..write.safetensors_file import write_index_json, write_safetensors
+from ..write.torch_file import (
+    FILE_OVERHEAD,
+    RECORD_OVERHEAD,
+    torch_file_size_bound,
+    write_torch,
+)
 from .parallel import (
     Digests,
     leads,
@@ -56,8 +55,11 @@ def per_rank_note(ckpt: ShardedCheckpoint) -> List[str]:
         return []
     shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
     others = "rank 1's copy is" if ckpt.world_size == 2 else f"ranks 1-{ckpt.world_size - 1}'s copies are"
-    return [f"{len(paths)} FSDP instance(s) held whole by each rank (no_broadcast_optim_state, e.g. MoE experts): "
-            f"{shown}; written from rank 0's copy, as fairscale's consolidate_shard_weights does ({others} not in the output)"]
+    return [
+        f"{len(paths)} FSDP instance(s) held whole by each rank (no_broadcast_optim_state, e.g. MoE experts): "
+        f"{shown}; written from rank 0's copy, as fairscale's consolidate_shard_weights does "
+        f"({others} not in the output)"
+    ]
 
 
 def output_format(out: str, max_shard_size: Optional[int]) -> str:
@@ -93,7 +95,7 @@ def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Opt
             get_path(tree, c.optimizer[:-1]).pop(c.optimizer[-1])
         else:
             set_path(tree, c.optimizer, optim)
-    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(tree)
 
 
 def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -107,8 +109,9 @@ def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
 
 def write_file_manifest(output: str, source: Dict[str, Any], command: str, hashes: Optional[Hashes] = None) -> None:
     """``OUT.manifest.json`` beside a single-file output, itself written atomically."""
-    manifest = build_manifest(os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command,
-                              hashes)
+    manifest = build_manifest(
+        os.path.dirname(os.path.abspath(output)), [os.path.basename(output)], source, command, hashes
+    )
     with atomic_output(manifest_path(output), is_dir=False, overwrite=True) as tmp:
         write_json(tmp, manifest)
 
@@ -120,12 +123,22 @@ def check_parallel(fmt: str, jobs: int) -> None:
     """``--jobs`` and torchrun split the work by output file: only a folder output has several."""
     if fmt != "safetensors-index" and (jobs > 1 or torchrun_world() is not None):
         how = f"--jobs {jobs}" if jobs > 1 else "torchrun"
-        raise CheckpointError(f"{how} splits the work by output file, and a single-file output has one: "
-                              "give --max-shard-size to write a folder of files")
+        raise CheckpointError(
+            f"{how} splits the work by output file, and a single-file output has one: "
+            "give --max-shard-size to write a folder of files"
+        )
 
 
-def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, tick: Any, source: Dict[str, Any],
-                       command: str, overwrite: bool, jobs: int = 1) -> None:
+def write_index_folder(
+    out: str,
+    tensors: Dict[str, Fill],
+    max_bytes: int,
+    tick: Any,
+    source: Dict[str, Any],
+    command: str,
+    overwrite: bool,
+    jobs: int = 1,
+) -> None:
     """An index-sharded safetensors folder, atomically, with its manifest inside.
 
     ``jobs`` > 1 writes its files in local processes, else threads of this
@@ -138,8 +151,9 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, tick:
 
     def finish(folder: str, shares: Sequence[Digests]) -> None:
         written = names + [write_index_json(folder, index)]
-        write_json(os.path.join(folder, MANIFEST),
-                   build_manifest(folder, written, source, command, None, merged(shares)))
+        write_json(
+            os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, None, merged(shares))
+        )
 
     world = torchrun_world()
     if world is not None:
@@ -158,9 +172,20 @@ def write_index_folder(out: str, tensors: Dict[str, Fill], max_bytes: int, tick:
         finish(tmp, [write_safetensors_files(work, jobs, SAFETENSORS_META, tick)])
 
 
-def write_full(out: str, fmt: str, tree: Any, copier: Copier, tick: Any, source: Dict[str, Any], command: str,
-               max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, hashes: Hashes,
-               jobs: int = 1) -> None:
+def write_full(
+    out: str,
+    fmt: str,
+    tree: Any,
+    copier: Copier,
+    tick: Any,
+    source: Dict[str, Any],
+    command: str,
+    max_shard_size: Optional[int],
+    overwrite: bool,
+    trust_pickles: bool,
+    hashes: Hashes,
+    jobs: int = 1,
+) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
     An index folder carries its manifest inside (its files written by
@@ -209,11 +234,33 @@ def consolidate(
     dtype: Optional[str] = None,
     jobs: int = 1,
 ) -> ConsolidateResult:
-    """Write the full state dict of the sharded checkpoint ``src`` to ``out``.
+    """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
-    ``select``/``strip_prefix``/``rename``/``dtype``: see :func:`ckptshard.plan.transform.transform`.
-    ``jobs``: processes writing the files of a ``max_shard_size`` folder (under
-    torchrun the ranks share them instead; rank 0 writes any optimizer file).
+    Args:
+        src: the shards: a folder, one shard file (its siblings are found) or a VISSL shard_list file.
+        out: ``OUT.safetensors``, ``OUT.pt`` (torch.save), or a folder with ``max_shard_size``.
+        max_shard_size: write index-sharded safetensors files of at most this many bytes.
+        container: keep the source framework's container around the weights (torch.save output only).
+        optimizer: also write the full optimizer state (fairscale's ``gather_full_optim_state_dict``
+            format): inside the container, or beside ``out`` as ``OUT.optim.pt``.
+        overwrite: replace an existing output that ckptshard wrote (never anything else).
+        trust_pickles: unpickle without the weights-only safety net (files you trust only).
+        progress: show a progress bar.
+        select, strip_prefix, rename: keep tensors whose name starts with a prefix; remove prefixes;
+            ``"FROM=TO"`` replacements, in order (see ``ckptshard.plan.transform``).
+        dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: cast floating-point tensors.
+        jobs: processes writing the files of a ``max_shard_size`` folder (0: chosen from the plan; under
+            torchrun the ranks share them instead).
+
+    Returns:
+        ``ConsolidateResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes), ``notes``
+        (what the user should know about the output).
+
+    Raises:
+        CheckpointError: bad or inconsistent input (a missing or extra shard, shards of different runs,
+            metadata that does not describe the data), an output that exists (without ``overwrite``) or
+            that ckptshard did not write, too little disk space, an input changed while read. Nothing is
+            written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
     fmt = output_format(out, max_shard_size)
     check_parallel(fmt, jobs)
@@ -223,7 +270,9 @@ def consolidate(
     cast_dtype(dtype)  # a bad --dtype fails before any file is opened
     reshaping = bool(select or strip_prefix or renames)
     if reshaping and (container or optimizer):
-        raise CheckpointError("--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer")
+        raise CheckpointError(
+            "--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer"
+        )
     # Read (and so write) without importing torch where the files allow: 1.5-2.5 s here.
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
     inputs = tuple(ckpt.files.paths)
@@ -247,19 +296,23 @@ def consolidate(
     source = source_info(ckpt)  # fingerprinted once, for every manifest
     lead = leads()  # under torchrun rank 0 reports and writes the single files
     with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
-        write_full(out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles,
-                   hashes, jobs)
+        write_full(
+            out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles, hashes, jobs
+        )
         outputs.append(out)
         if opt_out is not None and lead:
-            write_full(opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles,
-                       hashes)
+            write_full(
+                opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles, hashes
+            )
             outputs.append(opt_out)
         for o in outputs:
             if os.path.isfile(o):
                 write_file_manifest(o, source, "consolidate", hashes)
     notes = per_rank_note(ckpt)
     if optim is not None and len(optim["param_groups"]) > 1:
-        notes.append(f"the optimizer has {len(optim['param_groups'])} param groups: each lists its parameters' "
-                     "global ids, which fairscale's get_shard_from_optim_state_dict (one group only) cannot "
-                     "read; ckptshard shard --optimizer and load_checkpoint can")
+        notes.append(
+            f"the optimizer has {len(optim['param_groups'])} param groups: each lists its parameters' "
+            "global ids, which fairscale's get_shard_from_optim_state_dict (one group only) cannot "
+            "read; ckptshard shard --optimizer and load_checkpoint can"
+        )
     return ConsolidateResult(outputs, len(weights), total, notes)

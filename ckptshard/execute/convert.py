@@ -5,6 +5,7 @@ dcp -> torch | safetensors  one file (or an index folder), streaming
 dcp -> fairscale            N shards wrapped like --like's checkpoint
 fairscale -> torch | safetensors | fairscale  are consolidate and reshard
 """
+
 from __future__ import annotations
 
 import os
@@ -12,14 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from ..io.atomic import atomic_output, check_output, check_space
-from ..io.inputs import watched
-from ..io.dcp_write import data_file_names, data_files, is_dcp, write_data_file, write_metadata
-from ..io.fill import Copier, Progress, is_tensor
-from ..io.hashing import Hashes
-from ..io.manifest import MANIFEST, build_manifest, write_json
-from ..io.source import open_checkpoint
-from ..io.writers import FILE_OVERHEAD, RECORD_OVERHEAD, tree_nbytes
+from ..osio.atomic import atomic_output, check_output, check_space
+from ..osio.hashing import Hashes
+from ..osio.inputs import watched
+from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
     OPTIM,
@@ -32,6 +29,17 @@ from ..plan.dcp import (
 )
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
+from ..read.dcp import is_dcp
+from ..read.source import open_checkpoint
+from ..tensors import Progress, is_tensor, tree_nbytes
+from ..write.copier import Copier
+from ..write.dcp_files import (
+    data_file_names,
+    data_files,
+    write_data_file,
+    write_metadata,
+)
+from ..write.torch_file import FILE_OVERHEAD, RECORD_OVERHEAD
 from .consolidate import (
     check_parallel,
     consolidate,
@@ -41,12 +49,19 @@ from .consolidate import (
     write_file_manifest,
     write_full,
 )
-from .parallel import Digests, leads, map_jobs, run_checked, torchrun_world, write_folder_across_ranks
+from .parallel import (
+    Digests,
+    leads,
+    map_jobs,
+    run_checked,
+    torchrun_world,
+    write_folder_across_ranks,
+)
 from .progress import progress_bar
 from .reshard import reshard, write_rank_files
 
 if TYPE_CHECKING:
-    from ..io.dcp import DcpCheckpoint
+    from ..read.dcp import DcpCheckpoint
 
 TARGETS = ("dcp", "torch", "safetensors", "fairscale")
 
@@ -79,8 +94,23 @@ def convert(
 ) -> ConvertResult:
     """Convert ``src`` (fairscale shards or a DCP folder) into format ``to`` at ``out``.
 
-    ``select``/``strip_prefix``/``rename``/``dtype`` reshape the weights as in
-    ``consolidate``; ``optimizer=False`` leaves optimizer state out.
+    Args:
+        src: fairscale shards (folder, one shard file or a VISSL shard_list) or a DCP folder.
+        out: the output: a folder for ``"dcp"``, ``"fairscale"`` or index-sharded safetensors, else a file.
+        to: ``"dcp"`` (torch FSDP2 loads it at any world size), ``"torch"``, ``"safetensors"`` or
+            ``"fairscale"`` (from DCP, with ``like`` and ``world_size``).
+        like: DCP -> fairscale: the fairscale checkpoint whose wrapping, container and names to follow.
+        world_size: DCP -> fairscale: the number of ranks.
+        optimizer: convert optimizer state too, where present.
+        max_shard_size, select, strip_prefix, rename, dtype, jobs, overwrite, trust_pickles, progress:
+            as for :func:`ckptshard.consolidate`.
+
+    Returns:
+        ``ConvertResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes written).
+
+    Raises:
+        CheckpointError: bad or inconsistent input, an output that exists (without ``overwrite``) or that
+            ckptshard did not write, too little disk space, an input changed while read. Nothing is written.
     """
     if to not in TARGETS:
         raise CheckpointError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
@@ -89,35 +119,82 @@ def convert(
     if to == "fairscale" and (world_size is None or world_size < 1):
         raise CheckpointError("--to fairscale needs --world-size N (N >= 1)")
     if is_dcp(src):
-        return _from_dcp(src, out, to, like, world_size, optimizer, max_shard_size, overwrite, trust_pickles,
-                         progress, select, strip_prefix, renames, dtype, jobs)
+        return _from_dcp(
+            src,
+            out,
+            to,
+            like,
+            world_size,
+            optimizer,
+            max_shard_size,
+            overwrite,
+            trust_pickles,
+            progress,
+            select,
+            strip_prefix,
+            renames,
+            dtype,
+            jobs,
+        )
     if to == "dcp":
-        return _fairscale_to_dcp(src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix,
-                                 renames, dtype, jobs)
+        return _fairscale_to_dcp(
+            src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix, renames, dtype, jobs
+        )
     if to == "fairscale":
         if select or strip_prefix or renames or dtype or like:
             raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
-        res = reshard(src, out, world_size or 1, overwrite=overwrite, trust_pickles=trust_pickles,
-                      progress=progress, jobs=jobs, optimizer=optimizer)
+        res = reshard(
+            src,
+            out,
+            world_size or 1,
+            overwrite=overwrite,
+            trust_pickles=trust_pickles,
+            progress=progress,
+            jobs=jobs,
+            optimizer=optimizer,
+        )
         return ConvertResult([res.folder], len(res.files), res.nbytes)
     _check_format(out, to, max_shard_size)
-    res = consolidate(src, out, max_shard_size=max_shard_size, optimizer=False, overwrite=overwrite,
-                      trust_pickles=trust_pickles, progress=progress, select=select, strip_prefix=strip_prefix,
-                      rename=rename, dtype=dtype, jobs=jobs)
+    res = consolidate(
+        src,
+        out,
+        max_shard_size=max_shard_size,
+        optimizer=False,
+        overwrite=overwrite,
+        trust_pickles=trust_pickles,
+        progress=progress,
+        select=select,
+        strip_prefix=strip_prefix,
+        rename=rename,
+        dtype=dtype,
+        jobs=jobs,
+    )
     return ConvertResult(res.outputs, res.tensors, res.nbytes)
 
 
 def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
     fmt = output_format(out, max_shard_size)
     if fmt.split("-")[0] != to:
-        raise CheckpointError(f"{out}: --to {to} but the name says {fmt}: end it with "
-                              + (".safetensors (or give --max-shard-size)" if to == "safetensors" else ".pt/.pth/.torch"))
+        raise CheckpointError(
+            f"{out}: --to {to} but the name says {fmt}: end it with "
+            + (".safetensors (or give --max-shard-size)" if to == "safetensors" else ".pt/.pth/.torch")
+        )
     return fmt
 
 
-def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trust_pickles: bool, progress: bool,
-                      select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any],
-                      dtype: Optional[str], jobs: int) -> ConvertResult:
+def _fairscale_to_dcp(
+    src: str,
+    out: str,
+    optimizer: bool,
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    jobs: int,
+) -> ConvertResult:
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # the DCP writer needs no torch either
     run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths), is_dir=True))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
@@ -129,8 +206,10 @@ def _fairscale_to_dcp(src: str, out: str, optimizer: bool, overwrite: bool, trus
         _dcp_across_ranks(plan, out, overwrite, source_info(ckpt), *world)
         return ConvertResult([out], len(weights), plan.nbytes)
     check_space(out, dcp_size_bound(plan))
-    with progress_bar(plan.nbytes, "convert -> dcp", progress) as tick, \
-            atomic_output(out, is_dir=True, overwrite=overwrite) as tmp:
+    with (
+        progress_bar(plan.nbytes, "convert -> dcp", progress) as tick,
+        atomic_output(out, is_dir=True, overwrite=overwrite) as tmp,
+    ):
         names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
         write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", None, digests))
     return ConvertResult([out], len(weights), plan.nbytes)
@@ -142,16 +221,18 @@ def dcp_size_bound(plan: Any) -> int:
     return plan.nbytes + (RECORD_OVERHEAD + FILE_OVERHEAD) * chunks + FILE_OVERHEAD * (1 + len(plan.entries))
 
 
-def _write_data_file_hashed(path: str, items: List[Any], tick: Optional[Progress] = None
-                            ) -> Tuple[List[Tuple[int, int]], str]:
+def _write_data_file_hashed(
+    path: str, items: List[Any], tick: Optional[Progress] = None
+) -> Tuple[List[Tuple[int, int]], str]:
     """One data file and its digest, hashed by the process (or thread) that writes it."""
     with Copier() as copier, Hashes() as hashes:
         placed = write_data_file(path, items, copier, tick, hashes)
         return placed, hashes.digest(path)
 
 
-def _write_data_file_job(job: Tuple[str, List[Any]], tick: Optional[Progress] = None
-                         ) -> Tuple[List[Tuple[int, int]], str]:
+def _write_data_file_job(
+    job: Tuple[str, List[Any]], tick: Optional[Progress] = None
+) -> Tuple[List[Tuple[int, int]], str]:
     return _write_data_file_hashed(*job, tick)
 
 
@@ -160,8 +241,9 @@ def _dcp_in_parallel(folder: str, plan: Any, jobs: int, tick: Any) -> Tuple[List
     files = data_files(plan)
     names = data_file_names(files)
     work = [(os.path.join(folder, n), items) for n, items in zip(names, files)]
-    results = map_jobs(_write_data_file_job, work, jobs, tick,
-                       lambda job: sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk)))
+    results = map_jobs(
+        _write_data_file_job, work, jobs, tick, lambda job: sum(c.fill.nbytes for c in job[1] if isinstance(c, Chunk))
+    )
     return write_metadata(folder, plan, files, [p for p, _ in results]), dict(zip(names, (d for _, d in results)))
 
 
@@ -171,8 +253,9 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
     names = data_file_names(files)
 
     def share(folder: str) -> Dict[int, Any]:  # placements and digest of each file this rank writes
-        return {i: _write_data_file_hashed(os.path.join(folder, names[i]), files[i])
-                for i in range(rank, len(files), world)}
+        return {
+            i: _write_data_file_hashed(os.path.join(folder, names[i]), files[i]) for i in range(rank, len(files), world)
+        }
 
     def finish(folder: str, shares: List[Dict[int, Any]]) -> None:
         done = {i: r for s in shares for i, r in s.items()}
@@ -183,23 +266,50 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
     write_folder_across_ranks(out, overwrite, dcp_size_bound(plan), rank, world, share, finish)
 
 
-def _dcp_source_info(d: "DcpCheckpoint") -> Dict[str, Any]:
+def _dcp_source_info(d: DcpCheckpoint) -> Dict[str, Any]:
     return {"files": [os.path.abspath(os.path.join(d.folder, f)) for f in d.files], "container": "dcp"}
 
 
-def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Optional[int], optimizer: bool,
-              max_shard_size: Optional[int], overwrite: bool, trust_pickles: bool, progress: bool,
-              select: Sequence[str], strip_prefix: Sequence[str], renames: Sequence[Any], dtype: Optional[str],
-              jobs: int) -> ConvertResult:
+def _from_dcp(
+    src: str,
+    out: str,
+    to: str,
+    like: Optional[str],
+    world_size: Optional[int],
+    optimizer: bool,
+    max_shard_size: Optional[int],
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    jobs: int,
+) -> ConvertResult:
     if to == "dcp":
         raise CheckpointError(f"{src} is already a DCP checkpoint")
-    from ..io.dcp import open_dcp
+    from ..read.dcp import open_dcp
 
     d = open_dcp(src, trust_pickles)
     inputs = tuple(os.path.join(src, f) for f in d.files)
     if to == "fairscale":
-        return _dcp_to_fairscale(d, out, like, world_size or 1, optimizer, overwrite, trust_pickles, progress,
-                                 select, strip_prefix, renames, dtype, inputs, jobs)
+        return _dcp_to_fairscale(
+            d,
+            out,
+            like,
+            world_size or 1,
+            optimizer,
+            overwrite,
+            trust_pickles,
+            progress,
+            select,
+            strip_prefix,
+            renames,
+            dtype,
+            inputs,
+            jobs,
+        )
     fmt = _check_format(out, to, max_shard_size)
     check_parallel(fmt, jobs)
     run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
@@ -216,17 +326,30 @@ def _from_dcp(src: str, out: str, to: str, like: Optional[str], world_size: Opti
     run_checked(lambda: check_space(out, full_size_bound(fmt, tree)))
     source = _dcp_source_info(d)
     with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress and leads()) as tick:
-        write_full(out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes,
-                   jobs)
+        write_full(
+            out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes, jobs
+        )
         if os.path.isfile(out):
             write_file_manifest(out, source, "convert", hashes)
     return ConvertResult([out], count, total)
 
 
-def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_size: int, optimizer: bool,
-                      overwrite: bool, trust_pickles: bool, progress: bool, select: Sequence[str],
-                      strip_prefix: Sequence[str], renames: Sequence[Any], dtype: Optional[str],
-                      inputs: tuple, jobs: int) -> ConvertResult:
+def _dcp_to_fairscale(
+    d: DcpCheckpoint,
+    out: str,
+    like: Optional[str],
+    world_size: int,
+    optimizer: bool,
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    inputs: tuple,
+    jobs: int,
+) -> ConvertResult:
     if like is None:
         raise CheckpointError("--to fairscale needs --like SRC: a fairscale checkpoint whose FSDP wrapping to follow")
     if dtype is not None:
@@ -236,16 +359,19 @@ def _dcp_to_fairscale(d: "DcpCheckpoint", out: str, like: Optional[str], world_s
     check_full_against_plan(template, full)
     full_optim = None
     if optimizer and template.container.optimizer is not None and OPTIM not in d.tree:
-        raise CheckpointError(f"{d.folder}: no optimizer state ('{OPTIM}') to shard; "
-                              "pass --no-optimizer to write weights only")
+        raise CheckpointError(
+            f"{d.folder}: no optimizer state ('{OPTIM}') to shard; pass --no-optimizer to write weights only"
+        )
     if optimizer and template.container.optimizer is not None:
         new_name = name_mapper(select, strip_prefix, renames)
         if not isinstance(d.tree[OPTIM], dict) or "param_groups" not in d.tree[OPTIM]:
             raise CheckpointError(f"{d.folder}: '{OPTIM}' holds no param_groups: not an optimizer state dict")
         # DCP stores no empty dict: an optimizer with no per-parameter state (SGD without momentum) has no 'state'.
         by_new = {new_name(k): v for k, v in d.tree[OPTIM].get("state", {}).items() if new_name(k) is not None}
-        groups = [dict(g, params=[new_name(n) if isinstance(n, str) else n for n in g.get("params", [])])
-                  for g in d.tree[OPTIM]["param_groups"]]
+        groups = [
+            dict(g, params=[new_name(n) if isinstance(n, str) else n for n in g.get("params", [])])
+            for g in d.tree[OPTIM]["param_groups"]
+        ]
         full_optim = fairscale_full_optimizer(template, {"state": by_new, "param_groups": groups})
         # fairscale's other optimizer keys (e.g. fairseq's loss_scale) come from the template.
         extra = {k: v for k, v in template.optimizer_state(0).items() if k not in ("state", "param_groups")}

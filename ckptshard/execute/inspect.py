@@ -1,4 +1,5 @@
 """``inspect``: what a sharded checkpoint holds, without reading tensor data."""
+
 from __future__ import annotations
 
 import math
@@ -6,10 +7,10 @@ import os
 from typing import Any, Dict, List
 
 from ..dtypes import dtype_name as _dtype
-from ..io.containers import container_summary
-from ..io.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..layout.chunking import padding
 from ..layout.model import state_dict_name
+from ..read.containers import container_summary
+from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -26,22 +27,29 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
                 pad = [0 if inst.no_broadcast_optim_state else padding(fp.numel, M, r) for r in range(M)]
                 total_padding += sum(pad)
                 total_bytes += fp.numel * fp.dtype.itemsize
-                fps.append({
-                    "key": inst.local_key(fp),
-                    "dtype": _dtype(fp.dtype),
-                    "numel": fp.numel,
-                    "shard_numel": fp.shard_numel(M),
-                    "padding_per_rank": pad,
-                    "params": [
-                        {"name": part.prefix + inst.logical_name(m.name), "shape": list(m.shape)} for m in fp.members
+                fps.append(
+                    {
+                        "key": inst.local_key(fp),
+                        "dtype": _dtype(fp.dtype),
+                        "numel": fp.numel,
+                        "shard_numel": fp.shard_numel(M),
+                        "padding_per_rank": pad,
+                        "params": [
+                            {"name": part.prefix + inst.logical_name(m.name), "shape": list(m.shape)}
+                            for m in fp.members
+                        ],
+                    }
+                )
+            instances.append(
+                {
+                    "fsdp_path": inst.path,
+                    "flat_params": fps,
+                    "tied": [
+                        [part.prefix + inst.logical_name(s), part.prefix + inst.logical_name(d)] for s, d in inst.shared
                     ],
-                })
-            instances.append({
-                "fsdp_path": inst.path,
-                "flat_params": fps,
-                "tied": [[part.prefix + inst.logical_name(s), part.prefix + inst.logical_name(d)] for s, d in inst.shared],
-                "no_broadcast_optim_state": inst.no_broadcast_optim_state,
-            })
+                    "no_broadcast_optim_state": inst.no_broadcast_optim_state,
+                }
+            )
         for alias, target in part.aliases:  # a tie FSDP stored under both names (unflattened instance)
             owner = next(i for i in instances if any(f["key"] == target for f in i["flat_params"]))
             owner["tied"].append([part.prefix + target, part.prefix + alias])
@@ -50,14 +58,16 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             ref = sd0[b]
             total_bytes += ref.nbytes
             buffers.append({"name": part.prefix + b, "shape": list(ref.shape), "dtype": _dtype(ref.dtype)})
-        parts.append({
-            "label": part.label,
-            "prefix": part.prefix,
-            "instances": instances,
-            "buffers": buffers,
-            "extra_tensors": [part.prefix + k for k in ckpt.extra_keys(pi)],
-            "non_persistent_buffers": [part.prefix + state_dict_name(b) for b in part.unstored_buffers],
-        })
+        parts.append(
+            {
+                "label": part.label,
+                "prefix": part.prefix,
+                "instances": instances,
+                "buffers": buffers,
+                "extra_tensors": [part.prefix + k for k in ckpt.extra_keys(pi)],
+                "non_persistent_buffers": [part.prefix + state_dict_name(b) for b in part.unstored_buffers],
+            }
+        )
     osd = ckpt.optimizer_state(0)
     optim = None
     if osd is not None:
@@ -68,8 +78,11 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             "state_keys": keys,
             "other_keys": sorted(str(k) for k in osd if k not in ("state", "param_groups")),
             # Flat parameters the optimizer does not number: frozen (requires_grad=False) when trained.
-            "flat_params_not_in_optimizer": max(0, len(ckpt.layout.flat_params()) - sum(
-                len(g.get("params", [])) for g in osd.get("param_groups", []) if isinstance(g, dict))),
+            "flat_params_not_in_optimizer": max(
+                0,
+                len(ckpt.layout.flat_params())
+                - sum(len(g.get("params", [])) for g in osd.get("param_groups", []) if isinstance(g, dict)),
+            ),
         }
     n_params = sum(len(fp["params"]) for p in parts for i in p["instances"] for fp in i["flat_params"])
     return {
@@ -89,7 +102,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
 
 def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     """A DCP folder, from its ``.metadata`` alone: every entry, its dtype, shape and chunks."""
-    from ..io.dcp import dcp_metadata
+    from ..read.dcp import dcp_metadata
 
     md = dcp_metadata(folder, trust_pickles)
     tensors, values, total = [], [], 0
@@ -97,17 +110,42 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
         if type(smd).__name__ == "TensorStorageMetadata":
             nbytes = math.prod(smd.size) * smd.properties.dtype.itemsize
             total += nbytes
-            tensors.append({"name": name, "dtype": _dtype(smd.properties.dtype), "shape": list(smd.size),
-                            "chunks": len(smd.chunks), "bytes": nbytes})
+            tensors.append(
+                {
+                    "name": name,
+                    "dtype": _dtype(smd.properties.dtype),
+                    "shape": list(smd.size),
+                    "chunks": len(smd.chunks),
+                    "bytes": nbytes,
+                }
+            )
         else:
             values.append(name)
     files = sorted({info.relative_path for info in md.storage_data.values()})
-    return {"source": folder, "format": "dcp", "files": files, "tensor_bytes": total, "tensors": tensors,
-            "values": values}
+    return {
+        "source": folder,
+        "format": "dcp",
+        "files": files,
+        "tensor_bytes": total,
+        "tensors": tensors,
+        "values": values,
+    }
 
 
 def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
-    """Summary of a fairscale checkpoint (read without importing torch where possible) or a DCP folder."""
+    """What a sharded checkpoint or a DCP folder holds, read without tensor data (and without torch where possible).
+
+    Args:
+        src: fairscale shards (folder, one shard file or a VISSL shard_list) or a DCP folder.
+        trust_pickles: unpickle without the weights-only safety net (files you trust only).
+
+    Returns:
+        A JSON-ready dict: container, world size, FSDP instances and parameters, padding, buffers,
+        optimizer state, fingerprint (for DCP: every entry with dtype, shape and chunks).
+
+    Raises:
+        CheckpointError: a missing, damaged or inconsistent checkpoint.
+    """
     if os.path.isfile(os.path.join(src, ".metadata")):  # io.dcp.is_dcp, without importing torch for the rest
         return summarize_dcp(src, trust_pickles)
     return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
@@ -148,17 +186,21 @@ def format_summary(s: Dict[str, Any]) -> str:
         if o["flat_params_not_in_optimizer"]:
             extra += f"; {o['flat_params_not_in_optimizer']} flat parameters not in it (frozen)"
         lines.append(
-            f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), state {', '.join(o['state_keys'])}{extra}"
+            f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), "
+            f"state {', '.join(o['state_keys'])}{extra}"
         )
     for p in s["parts"]:
         lines.append("")
         lines.append(f"[{p['label']}]")
         for inst in p["instances"]:
-            lines.append(f"  FSDP {inst['fsdp_path'] or '(root)'}" + ("  [per-rank]" if inst["no_broadcast_optim_state"] else ""))
+            lines.append(
+                f"  FSDP {inst['fsdp_path'] or '(root)'}" + ("  [per-rank]" if inst["no_broadcast_optim_state"] else "")
+            )
             for fp in inst["flat_params"]:
                 pad = fp["padding_per_rank"]
                 lines.append(
-                    f"    {fp['key']}  {fp['dtype']}  {fp['numel']} elements, {fp['shard_numel']} per rank, padding {pad}"
+                    f"    {fp['key']}  {fp['dtype']}  {fp['numel']} elements, {fp['shard_numel']} per rank, "
+                    f"padding {pad}"
                 )
                 for prm in fp["params"]:
                     lines.append(f"      {prm['name']}  {tuple(prm['shape'])}")

@@ -7,6 +7,7 @@ only), writes files ``i`` with ``i % world_size == rank`` into the folder rank
 0 created, and rank 0 alone writes the manifest and renames the folder. On
 several hosts the output must be on a filesystem they share.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,10 +17,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..dtypes import Size
 from ..errors import CheckpointError
-from ..io.fill import Copier, Progress
-from ..io.hashing import Hashes
-from ..io.libc import bind
-from ..io.writers import tree_nbytes, tree_pieces, write_safetensors, write_torch
+from ..osio.hashing import Hashes
+from ..osio.libc import bind
+from ..tensors import Progress, tree_nbytes, tree_pieces
+from ..write.copier import Copier
+from ..write.safetensors_file import write_safetensors
+from ..write.torch_file import write_torch
 
 T = TypeVar("T")
 
@@ -44,7 +47,7 @@ class PlannedFiles:
     def tree(self, i: int) -> Any:
         return self.first if i == 0 else self._plan(i)
 
-    def jobs(self, paths: Sequence[str]) -> List["PlannedFile"]:
+    def jobs(self, paths: Sequence[str]) -> List[PlannedFile]:
         return [PlannedFile(self, i, p) for i, p in enumerate(paths)]
 
 
@@ -73,6 +76,8 @@ def job_nbytes(job: Any) -> int:
 
 def job_pieces(job: Any) -> int:
     return job.files.pieces if isinstance(job, PlannedFile) else tree_pieces(job[0])
+
+
 Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
 
 
@@ -83,8 +88,9 @@ def _write_one(job: Job, trust_pickles: bool, tick: Optional[Progress] = None) -
         return path, hashes.digest(path)  # also waits for the hash pass's CRCs: the file is final
 
 
-def _write_one_safetensors(job: Job, metadata: Optional[Dict[str, str]], tick: Optional[Progress] = None
-                           ) -> Tuple[str, str]:
+def _write_one_safetensors(
+    job: Job, metadata: Optional[Dict[str, str]], tick: Optional[Progress] = None
+) -> Tuple[str, str]:
     tensors, path = job
     with Copier() as copier, Hashes() as hashes:
         write_safetensors(path, tensors, copier, tick, metadata, hashes)
@@ -118,8 +124,9 @@ def merged(shares: Sequence[Digests]) -> Digests:
     return {name: digest for share in shares for name, digest in share.items()}
 
 
-def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
-                     done: Optional[Callable[[Any], None]] = None, *args: Any) -> List[T]:
+def map_in_processes(
+    fn: Callable[..., T], jobs: Sequence[Any], n: int, done: Optional[Callable[[Any], None]] = None, *args: Any
+) -> List[T]:
     """``fn(job, *args)`` for every job, ``n`` processes at a time (spawned: safe beside torch's
     threads); results in job order, ``done(job)`` after each (progress)."""
     # Imported here, not at start-up: every command imports this module, few start processes.
@@ -130,8 +137,12 @@ def map_in_processes(fn: Callable[..., T], jobs: Sequence[Any], n: int,
     # Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
     # itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
     ForkingPickler.register(Size, _size_as_itself)
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        max_workers=n,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=die_with_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         futures = [pool.submit(fn, job, *args) for job in jobs]
         out = []
         for f, job in zip(futures, jobs):
@@ -215,8 +226,15 @@ def map_in_threads(fn: Callable[..., T], jobs: Sequence[Any], n: int, tick: Opti
         return [f.result() for f in futures]
 
 
-def map_jobs(fn: Callable[..., T], jobs: Sequence[Any], processes: int, tick: Optional[Progress],
-             nbytes: Callable[[Any], int], *args: Any, pieces: Optional[Callable[[Any], int]] = None) -> List[T]:
+def map_jobs(
+    fn: Callable[..., T],
+    jobs: Sequence[Any],
+    processes: int,
+    tick: Optional[Progress],
+    nbytes: Callable[[Any], int],
+    *args: Any,
+    pieces: Optional[Callable[[Any], int]] = None,
+) -> List[T]:
     """``fn(job, *args)`` for every job: in ``processes`` local processes where more than 1 (``--jobs``),
     else in :func:`writer_threads` threads of this one; results in job order. ``processes`` :data:`AUTO`:
     as :func:`auto_processes` says from ``pieces(job)`` (copy runs) and ``nbytes(job)``; threads without
@@ -233,19 +251,29 @@ def map_jobs(fn: Callable[..., T], jobs: Sequence[Any], processes: int, tick: Op
     return map_in_threads(fn, jobs, writer_threads(len(jobs)), tick, *args)
 
 
-def write_torch_files(jobs: Sequence[Job], processes: int, trust_pickles: bool, tick: Optional[Progress] = None
-                      ) -> Digests:
+def write_torch_files(
+    jobs: Sequence[Job], processes: int, trust_pickles: bool, tick: Optional[Progress] = None
+) -> Digests:
     """Write every (tree, path) job as torch.save (see :func:`map_jobs`); each file's digest, by name,
     computed by the process or thread that wrote it."""
     return by_name(map_jobs(_write_one, jobs, processes, tick, job_nbytes, trust_pickles, pieces=job_pieces))
 
 
-def write_safetensors_files(jobs: Sequence[Job], processes: int, metadata: Optional[Dict[str, str]],
-                            tick: Optional[Progress] = None) -> Digests:
+def write_safetensors_files(
+    jobs: Sequence[Job], processes: int, metadata: Optional[Dict[str, str]], tick: Optional[Progress] = None
+) -> Digests:
     """Write every ({name: Fill}, path) job as a safetensors file (see :func:`map_jobs`); digests by name."""
-    return by_name(map_jobs(_write_one_safetensors, jobs, processes, tick,
-                            lambda job: sum(f.nbytes for f in job[0].values()), metadata,
-                            pieces=lambda job: tree_pieces(job[0])))
+    return by_name(
+        map_jobs(
+            _write_one_safetensors,
+            jobs,
+            processes,
+            tick,
+            lambda job: sum(f.nbytes for f in job[0].values()),
+            metadata,
+            pieces=lambda job: tree_pieces(job[0]),
+        )
+    )
 
 
 def torchrun_world() -> Optional[Tuple[int, int]]:
@@ -262,7 +290,9 @@ def torchrun_world() -> Optional[Tuple[int, int]]:
     try:
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     except ValueError:
-        raise CheckpointError(f"torchrun set RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}: not numbers") from None
+        raise CheckpointError(
+            f"torchrun set RANK={env['RANK']!r} WORLD_SIZE={env['WORLD_SIZE']!r}: not numbers"
+        ) from None
     return (rank, world) if world > 1 else None
 
 
@@ -309,8 +339,10 @@ def init_torchrun() -> None:
         helper.join(0.2)
     if failure:
         rank, world = torchrun_world() or (0, 1)
-        raise CheckpointError(f"torchrun rank {rank}: the other ranks of {world} did not join within {timeout:g} s "
-                              f"({type(failure[0]).__name__}; {TIMEOUT_ENV} sets the wait)")
+        raise CheckpointError(
+            f"torchrun rank {rank}: the other ranks of {world} did not join within {timeout:g} s "
+            f"({type(failure[0]).__name__}; {TIMEOUT_ENV} sets the wait)"
+        )
 
 
 def leave_torchrun() -> None:
@@ -348,8 +380,15 @@ def agree(error: Optional[str], payload: Any = None) -> List[Any]:
     return [p for _, p in got]
 
 
-def write_folder_across_ranks(dst: str, overwrite: bool, nbytes: int, rank: int, world: int,
-                              write_share: Callable[[str], Any], finish: Callable[[str, List[Any]], T]) -> T:
+def write_folder_across_ranks(
+    dst: str,
+    overwrite: bool,
+    nbytes: int,
+    rank: int,
+    world: int,
+    write_share: Callable[[str], Any],
+    finish: Callable[[str, List[Any]], T],
+) -> T:
     """The torchrun protocol for one output folder, shared by every command that writes one.
 
     Rank 0 checks the space and makes the temporary folder; every rank learns
@@ -363,7 +402,7 @@ def write_folder_across_ranks(dst: str, overwrite: bool, nbytes: int, rank: int,
 
     import torch.distributed as dist
 
-    from ..io.atomic import atomic_output, check_space
+    from ..osio.atomic import atomic_output, check_space
 
     init_torchrun()
     ctx = atomic_output(dst, is_dir=True, overwrite=overwrite) if rank == 0 else contextlib.nullcontext()

@@ -1,4 +1,5 @@
 """A byte-counting progress bar that can be switched off."""
+
 from __future__ import annotations
 
 import contextlib
@@ -11,8 +12,18 @@ def progress_bar(total: int, desc: str, enabled: bool = True) -> Iterator[Callab
     if not enabled:
         yield lambda n: None
         return
-    from tqdm import tqdm  # here, not at start-up: quiet runs never draw a bar (its import is ~13 ms)
+    from tqdm import (
+        tqdm,  # here, not at start-up: quiet runs never draw a bar (its import is ~13 ms)
+    )
 
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-              dynamic_ncols=True, leave=False) as bar:
+    with tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=False,
+    ) as bar:
         yield bar.update

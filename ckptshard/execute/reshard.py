@@ -1,4 +1,5 @@
 """``reshard`` (M shards -> N) and ``shard`` (full state dict -> N shards)."""
+
 from __future__ import annotations
 
 import os
@@ -7,19 +8,19 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
-from ..io.atomic import atomic_output, check_output, check_space
-from ..io.inputs import watched
-from ..io.fill import Copier
-from ..io.hashing import Hashes
-from ..io.full_state import full_state_refs
-from ..io.manifest import MANIFEST, build_manifest, write_json
-from ..io.safe_load import TensorRef, load_lazy
-from ..io.source import ShardedCheckpoint, open_checkpoint
-from ..io.torch_save import save_plain
-from ..io.tree import leaves
-from ..io.writers import torch_file_size_bound, tree_nbytes, write_torch
+from ..osio.atomic import atomic_output, check_output, check_space
+from ..osio.hashing import Hashes
+from ..osio.inputs import watched
+from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
+from ..read.full_state import full_state_refs
+from ..read.safe_load import load_lazy
+from ..read.source import ShardedCheckpoint, open_checkpoint
+from ..tensors import TensorRef, tree_nbytes
+from ..tree import leaves
+from ..write.copier import Copier
+from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
 from .consolidate import source_info
 from .parallel import (
     Digests,
@@ -51,7 +52,7 @@ def shard_list_name(ckpt: ShardedCheckpoint) -> str:
 MANIFEST_ENTRY = 256  # bytes a file's line in the manifest takes, at most for any sane name
 
 
-def _sizes(trees: "Sequence[Any] | PlannedFiles") -> Tuple[int, int]:
+def _sizes(trees: Sequence[Any] | PlannedFiles) -> Tuple[int, int]:
     """(tensor bytes, the bytes on disk or an upper estimate) of every rank file and the manifest."""
     if isinstance(trees, PlannedFiles):
         return trees.nbytes * trees.count, (torch_file_size_bound(trees.first) + MANIFEST_ENTRY) * trees.count
@@ -60,7 +61,7 @@ def _sizes(trees: "Sequence[Any] | PlannedFiles") -> Tuple[int, int]:
 
 def write_rank_files(
     template: ShardedCheckpoint,
-    trees: "Sequence[Any] | PlannedFiles",
+    trees: Sequence[Any] | PlannedFiles,
     dst: str,
     desc: str,
     overwrite: bool,
@@ -90,8 +91,9 @@ def write_rank_files(
     return ReshardResult(dst, names, total)
 
 
-def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str,
-                   digests: Digests) -> List[str]:
+def _finish_folder(
+    template: ShardedCheckpoint, folder: str, names: List[str], source: Dict[str, Any], desc: str, digests: Digests
+) -> List[str]:
     """VISSL's shard_list and the manifest, once every rank file is written (``digests``: by their writers)."""
     names = list(names)
     if template.container.kind == "vissl":
@@ -102,9 +104,18 @@ def _finish_folder(template: ShardedCheckpoint, folder: str, names: List[str], s
     return names
 
 
-def _write_distributed(template: ShardedCheckpoint, trees: "Sequence[Any] | PlannedFiles", names: List[str], dst: str,
-                       desc: str, overwrite: bool, source: Dict[str, Any], total: int, rank: int, world: int
-                       ) -> ReshardResult:
+def _write_distributed(
+    template: ShardedCheckpoint,
+    trees: Sequence[Any] | PlannedFiles,
+    names: List[str],
+    dst: str,
+    desc: str,
+    overwrite: bool,
+    source: Dict[str, Any],
+    total: int,
+    rank: int,
+    world: int,
+) -> ReshardResult:
     tree = trees.tree if isinstance(trees, PlannedFiles) else trees.__getitem__
 
     def share(folder: str) -> Digests:  # each rank hashes what it writes: rank 0 reads nothing again
@@ -139,7 +150,27 @@ def reshard(
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
 
-    ``optimizer=False`` leaves the optimizer state out (weights, buffers and the rest of the container only).
+    Weights, FSDP metadata and optimizer state are resharded; the rest of
+    each file's container is carried, file names follow the source's.
+
+    Args:
+        src: the shards: a folder, one shard file or a VISSL shard_list file.
+        dst: the folder to create.
+        world_size: the number of ranks to shard for.
+        overwrite: replace an existing folder that ckptshard wrote (never anything else).
+        trust_pickles: unpickle without the weights-only safety net (files you trust only).
+        progress: show a progress bar.
+        jobs: local processes writing the files (0: chosen from the plan; 1: threads of this process).
+        optimizer: False leaves the optimizer state out (a model-only checkpoint).
+
+    Returns:
+        ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes).
+
+    Raises:
+        CheckpointError: bad or inconsistent input (a missing or extra shard, shards of different runs,
+            metadata that does not describe the data), an output that exists (without ``overwrite``) or
+            that ckptshard did not write, too little disk space, an input changed while read. Nothing is
+            written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
     _check_world_size(world_size)
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
@@ -147,8 +178,9 @@ def reshard(
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
     # as they are written.
     trees = PlannedFiles(lambda r: resharded_file(ckpt, world_size, r, optimizer), world_size)
-    return write_rank_files(ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress,
-                            source_info(ckpt), jobs)
+    return write_rank_files(
+        ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress, source_info(ckpt), jobs
+    )
 
 
 def _all_stored(*trees: Any) -> bool:
@@ -156,8 +188,9 @@ def _all_stored(*trees: Any) -> bool:
     return all(isinstance(v.dtype, StoredDType) for t in trees for _, v in leaves(t) if isinstance(v, TensorRef))
 
 
-def _shard_inputs(full: str, like: str, optimizer: Optional[str], trust_pickles: bool, torch_free: bool
-                  ) -> Tuple[ShardedCheckpoint, Mapping[str, TensorRef], Any]:
+def _shard_inputs(
+    full: str, like: str, optimizer: Optional[str], trust_pickles: bool, torch_free: bool
+) -> Tuple[ShardedCheckpoint, Mapping[str, TensorRef], Any]:
     """The template, the full state and the full optimizer state, all read without torch or all with it."""
     template = open_checkpoint(like, trust_pickles, torch_free=torch_free)
     if optimizer is not None and template.container.optimizer is None:
@@ -182,7 +215,26 @@ def shard(
     trust_pickles: bool = False,
     progress: bool = True,
 ) -> ReshardResult:
-    """Shard the full state dict ``full`` for ``world_size`` ranks, wrapped as the checkpoint ``like`` is."""
+    """Shard the full state dict ``full`` for ``world_size`` ranks, wrapped as the checkpoint ``like`` is.
+
+    Args:
+        full: a full state dict: ``.pt``, ``.safetensors`` or an index-sharded safetensors folder.
+        like: a sharded checkpoint whose FSDP wrapping (instances, flattening, order) and container to follow.
+        dst: the folder to create.
+        world_size: the number of ranks to shard for.
+        optimizer: a full optimizer state (``consolidate(optimizer=True)``'s, or
+            ``gather_full_optim_state_dict``'s) to shard too.
+        overwrite, trust_pickles, progress: as for :func:`reshard`.
+
+    Returns:
+        ``ReshardResult``: ``folder``, ``files``, ``nbytes``.
+
+    Raises:
+        CheckpointError: bad or inconsistent input (names or shapes off the wrapping's plan, listed), an
+            output that exists (without ``overwrite``) or
+            that ckptshard did not write, too little disk space, an input changed while read. Nothing is
+            written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
+    """
     _check_world_size(world_size)
     template, refs, full_optim = _shard_inputs(full, like, optimizer, trust_pickles, torch_free=True)
     check_full_against_plan(template, refs)

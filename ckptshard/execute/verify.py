@@ -1,18 +1,30 @@
 """``verify``: re-check an output against its manifest and its own structure."""
+
 from __future__ import annotations
 
 import os
 from typing import List
 
 from ..errors import CheckpointError
-from ..io.dcp import is_dcp, open_dcp
-from ..io.full_state import full_state_refs
-from ..io.manifest import verify_manifest
-from ..io.source import open_checkpoint
+from ..osio.manifest import verify_manifest
+from ..read.dcp import is_dcp, open_dcp
+from ..read.full_state import full_state_refs
+from ..read.source import open_checkpoint
 
 
 def verify(path: str) -> List[str]:
-    """Problems found (empty: the checkpoint matches its manifest and reads back whole)."""
+    """Re-check an output of ckptshard against its manifest and its own structure.
+
+    Args:
+        path: a folder ckptshard wrote (shards, index-sharded safetensors, DCP) or a single output file.
+
+    Returns:
+        The problems found, one line each: a file missing, of another size or checksum, or not listed in
+        the manifest; metadata that no longer reads back. Empty when all is well.
+
+    Raises:
+        CheckpointError: no manifest, or one that is not ckptshard's.
+    """
     problems = verify_manifest(path)
     if problems:
         return problems

@@ -22,6 +22,7 @@ Also needed on CPU: ``bucket_cap_mb=0`` (gloo's reduce-scatter rejects the
 2-D input fairscale's bucketer builds) and
 ``compute_device=torch.device("cpu")``; :func:`cpu_fsdp_kwargs` gives both.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Run a function on every rank of a local gloo process group."""
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
     _quiet_known_warnings()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         from .cpu_compat import install_cpu_compat
 

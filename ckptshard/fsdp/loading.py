@@ -7,6 +7,7 @@ anything else goes through the full state dict, loaded module by module
 (FSDP submodules with their own ``load_state_dict``, plain tensors copied).
 Afterwards no FSDP module has ``_is_root`` set or lazy state initialised.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,15 +19,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import CheckpointError
-from ..io.fill import materialize
-from ..io.full_state import full_state_refs
-from ..io.safe_load import load_lazy
-from ..io.source import ShardedCheckpoint, open_checkpoint
 from ..layout.model import ShardedLayout, join, part_from_metadata, state_dict_name
 from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer, resharded_optimizer
 from ..plan.reshard import resharded_state
 from ..plan.shard import sharded_optimizer_from_full
+from ..read.full_state import full_state_refs
+from ..read.safe_load import load_lazy
+from ..read.source import ShardedCheckpoint, open_checkpoint
+from ..read.tensor_data import materialize, read_tensor
 from .state import init_param_attributes
 from .wrapping import reset_lazy_init_recursive
 
@@ -59,7 +60,11 @@ def top_level_fsdp(model: nn.Module) -> List[Tuple[str, Any]]:
 
 
 def _non_persistent(m: nn.Module) -> set:
-    return {state_dict_name(join(name, b)) for name, mod in m.named_modules() for b in getattr(mod, "_non_persistent_buffers_set", ())}
+    return {
+        state_dict_name(join(name, b))
+        for name, mod in m.named_modules()
+        for b in getattr(mod, "_non_persistent_buffers_set", ())
+    }
 
 
 def _fsdp_logical_keys(m: Any) -> List[str]:
@@ -117,12 +122,19 @@ def load_full_state(model: nn.Module, full: Mapping[str, torch.Tensor], only: Se
             parts.append(f"missing {len(missing)}: {', '.join(missing[:8])}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}")
-        raise CheckpointError("checkpoint does not fit the model: " + "; ".join(parts) +
-                              (" (pass only=[...] to load part of it)" if not only else ""))
+        raise CheckpointError(
+            "checkpoint does not fit the model: "
+            + "; ".join(parts)
+            + (" (pass only=[...] to load part of it)" if not only else "")
+        )
     report = LoadReport(path="full", loaded=sorted(want), skipped=sorted(set(full) - want))
     for name, m in tops:
         prefix = state_dict_name(name)
-        sub = {k[len(prefix) + 1:] if prefix else k: v for k, v in full.items() if k == prefix or k.startswith(prefix + ".") or not prefix}
+        sub = {
+            k[len(prefix) + 1 :] if prefix else k: v
+            for k, v in full.items()
+            if k == prefix or k.startswith(prefix + ".") or not prefix
+        }
         if not any(_selected(join(prefix, k), only) for k in sub):
             continue
         own = _fsdp_logical_keys(m)
@@ -153,8 +165,10 @@ def live_layout(model: Any) -> ShardedLayout:
 
 def _structure(md: Mapping[str, Any]) -> Any:
     return (
-        [(i["fsdp_path"], [(k, list(v["names"]), [list(s) for s in v["shapes"]]) for k, v in i["params"].items()])
-         for i in md["param_metadata"]],
+        [
+            (i["fsdp_path"], [(k, list(v["names"]), [list(s) for s in v["shapes"]]) for k, v in i["params"].items()])
+            for i in md["param_metadata"]
+        ],
         list(md["buffer_names"]),
     )
 
@@ -163,7 +177,7 @@ def _matches_locally(model: nn.Module, ckpt: ShardedCheckpoint) -> bool:
     if not _is_fsdp(model) or len(ckpt.layout.parts) != 1 or not dist.is_initialized():
         return False
     md0 = ckpt.objs[0]
-    from ..io.tree import get_path
+    from ..tree import get_path
 
     return _structure(get_path(md0, ckpt.container.parts[0].metadata)) == _structure(model.local_metadata_dict())
 
@@ -178,15 +192,28 @@ def load_checkpoint(
     full_optimizer: Optional[str] = None,
     trust_pickles: bool = False,
 ) -> LoadReport:
-    """Load ``src`` (sharded checkpoint of any world size, or a full state dict) into ``model``.
+    """Load ``src`` into ``model``, whose heads may be wrapped in FSDP or not yet; no key is skipped silently.
 
-    ``only``: name prefixes to load (e.g. ``["trunk"]``); everything else in
-    the checkpoint is skipped and reported. ``optimizer``: load its state
-    too (the model must be an FSDP root). ``full_optimizer``: a full
-    optimizer state file, for full state dict sources.
+    Args:
+        model: a plain module, or an FSDP root (fairscale) at any world size.
+        src: a sharded checkpoint of any world size, or a full state dict (.pt, .safetensors, index folder).
+        optimizer: also load its state (the model must be an FSDP root).
+        only: name prefixes to load (e.g. ``["trunk"]``); everything else in the checkpoint is skipped and
+            reported.
+        weights: load the weights (False: the optimizer state only).
+        full_optimizer: a full optimizer state file, for full state dict sources.
+        trust_pickles: unpickle without the weights-only safety net (files you trust only).
+
+    Returns:
+        ``LoadReport``: the keys loaded, the keys skipped (by ``only``) and where each came from.
+
+    Raises:
+        CheckpointError: a key the model has and the checkpoint lacks, or the other way round (outside
+            ``only``), a shape that differs, or a bad checkpoint.
     """
     sharded = not (os.path.isfile(src) and src.endswith(".safetensors")) and not (
-        os.path.isdir(src) and os.path.isfile(os.path.join(src, "model.safetensors.index.json")))
+        os.path.isdir(src) and os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
+    )
     ckpt = None
     if sharded:
         try:
@@ -214,7 +241,7 @@ def load_checkpoint(
         if ckpt is not None:
             full = materialize(consolidated_weights(ckpt))
         else:
-            full = {k: v.read() for k, v in full_state_refs(src, trust_pickles).items()}
+            full = {k: read_tensor(v) for k, v in full_state_refs(src, trust_pickles).items()}
         report = load_full_state(model, full, only) if weights else LoadReport(path="full")
         report.source_world_size = ckpt.world_size if ckpt is not None else None
         if optimizer is not None:

@@ -1,4 +1,5 @@
 """Lazy-init bookkeeping of fairscale FSDP modules around loading state."""
+
 from __future__ import annotations
 
 from typing import Any, List

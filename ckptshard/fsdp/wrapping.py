@@ -7,6 +7,7 @@ left behind, and only then wraps the whole model. Skipping any of these
 gives ranks that disagree, or an outer wrap that starts from a stale
 ``_is_root``.
 """
+
 from __future__ import annotations
 
 import re
@@ -70,12 +71,27 @@ def wrap_heads_and_model(
     seed: int = 0,
     wrap_each_head: bool = False,
 ) -> Any:
-    """Wrap ``model.heads`` and then ``model``, VISSL's way. The trunk is wrapped by the caller.
+    """Wrap ``model.heads`` and then ``model`` in fairscale FSDP, VISSL's way; the trunk is wrapped by the caller.
 
-    ``init``: ``"seed"`` re-initialises each head's Linear layers under
-    ``seed`` inside ``summon_full_params``; ``"broadcast"`` copies rank 0's
-    head to every rank instead (no seed discipline needed); ``None`` keeps
-    the weights (a checkpoint was loaded before wrapping).
+    Prototype layers stay fp32 and unflattened; each head is initialised
+    identically on every rank; ``_is_root`` and lazy init are reset on every
+    instance so the outer wrap starts clean.
+
+    Args:
+        model: a module with a ``heads`` ModuleList, its trunk already wrapped.
+        head_config, root_config, prototypes_config: FSDP keyword arguments for the heads, the root and
+            the prototype layers (mixed precision, flattening...).
+        init: ``"seed"`` re-initialises each head's Linear layers under ``seed`` inside
+            ``summon_full_params``; ``"broadcast"`` copies rank 0's head to every rank; ``None`` keeps the
+            weights (a checkpoint was loaded before wrapping).
+        seed: the seed of ``"seed"`` initialisation.
+        wrap_each_head: wrap each head in its own FSDP instance.
+
+    Returns:
+        The FSDP root wrapping ``model``.
+
+    Raises:
+        ValueError: an unknown ``init``, or several heads without ``wrap_each_head``.
     """
     from fairscale.nn import FullyShardedDataParallel as FSDP
 

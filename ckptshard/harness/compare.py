@@ -1,4 +1,5 @@
 """Compare two checkpoints (weights, optimizer state) and loss curves, offline."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,10 +7,10 @@ from typing import Any, List, Mapping, Sequence
 
 import torch
 
-from ..io.fill import materialize
-from ..io.source import open_checkpoint
 from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer
+from ..read.source import open_checkpoint
+from ..read.tensor_data import materialize
 
 
 @dataclass
@@ -81,7 +82,9 @@ def compare_local(a: str, b: str) -> Diff:
         diff.problems.append(f"world sizes {ca.world_size} vs {cb.world_size}")
         return diff
     for r in range(ca.world_size):
-        compare_state(materialize(dict(ca.local_state(r, 0))), materialize(dict(cb.local_state(r, 0))), diff, f"rank{r}.model")
+        compare_state(
+            materialize(dict(ca.local_state(r, 0))), materialize(dict(cb.local_state(r, 0))), diff, f"rank{r}.model"
+        )
         oa, ob = materialize(ca.optimizer_state(r)), materialize(cb.optimizer_state(r))
         compare_state(oa["state"], ob["state"], diff, f"rank{r}.optimizer.state")
         diff.exact(f"rank{r}.optimizer.param_groups", oa["param_groups"], ob["param_groups"])

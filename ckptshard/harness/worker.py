@@ -1,4 +1,5 @@
 """One training process of a verify-resume run (spawned on every rank)."""
+
 from __future__ import annotations
 
 import os
@@ -12,22 +13,27 @@ from ..fsdp.loading import load_checkpoint
 from ..testing.fixtures import make_optimizer, wrap_fixture_model
 from ..testing.model import VisslLikeModel, local_batch, loss_fn
 
-
 CONTAINER_FILES = {
     "fairseq": ("checkpoint_last-shard{}.pt", "fsdp_metadata"),
     "metaseq": ("checkpoint_last-model_part-0-shard{}.pt", "shard_metadata"),
 }
 
 
-def save_checkpoint(root: Any, optim: torch.optim.Optimizer, folder: str, rank: int, step: int,
-                    container: str = "fairseq") -> None:
+def save_checkpoint(
+    root: Any, optim: torch.optim.Optimizer, folder: str, rank: int, step: int, container: str = "fairseq"
+) -> None:
     """One rank's file, as fairseq or metaseq save it."""
     name, meta_key = CONTAINER_FILES[container]
     os.makedirs(folder, exist_ok=True)
     torch.save(
-        {"model": root.local_state_dict(), meta_key: root.local_metadata_dict(),
-         "last_optimizer_state": optim.state_dict(), "optimizer_history": [{"num_updates": step}],
-         "extra_state": {"epoch": 1}, "cfg": {}},
+        {
+            "model": root.local_state_dict(),
+            meta_key: root.local_metadata_dict(),
+            "last_optimizer_state": optim.state_dict(),
+            "optimizer_history": [{"num_updates": step}],
+            "extra_state": {"epoch": 1},
+            "cfg": {},
+        },
         os.path.join(folder, name.format(rank)),
     )
 

@@ -1,15 +1,4 @@
-"""Pure description of where every byte of a checkpoint lives. No I/O."""
-from .chunking import chunk_size, padding, shard_range
-from .model import FlatParam, FsdpInstance, Member, Part, ShardedLayout, layout_from_metadata
+"""Where every byte of a checkpoint lives: FSDP instances, flat parameters, chunk and box arithmetic. Pure: no I/O.
 
-__all__ = [
-    "chunk_size",
-    "padding",
-    "shard_range",
-    "FlatParam",
-    "FsdpInstance",
-    "Member",
-    "Part",
-    "ShardedLayout",
-    "layout_from_metadata",
-]
+Internal: not part of the public API, which ckptshard/__init__.py declares.
+"""

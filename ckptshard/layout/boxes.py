@@ -6,19 +6,15 @@ A flat range splits into a few boxes, each a contiguous run of elements
 (at most two per dimension); a box, conversely, is a set of contiguous
 runs (one per index of its leading, not fully covered dimensions).
 """
+
 from __future__ import annotations
 
 from typing import Iterator, List, Sequence, Tuple
 
+from ..tensors import numel
+
 Shape = Tuple[int, ...]
 Box = Tuple[Shape, Shape]  # (offsets, sizes)
-
-
-def numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def strides(shape: Sequence[int]) -> Shape:

@@ -6,6 +6,7 @@ non-empty one; ``torch.chunk`` may return fewer chunks than ranks (5 elements
 on 4 ranks gives 3), and fairscale gives the ranks past the end an empty chunk.
 Every rank's shard is then zero-padded at the end to the first chunk's size.
 """
+
 from __future__ import annotations
 
 from typing import Tuple

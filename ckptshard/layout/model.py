@@ -7,6 +7,7 @@ one part; VISSL saves the trunk and each head separately). A part holds FSDP
 parameter with ``flatten_parameters=False``); a flat param is the
 concatenation of its *members*, the logical parameters.
 """
+
 from __future__ import annotations
 
 import functools
@@ -147,11 +148,7 @@ class ShardedLayout:
         return [p.prefix + (i.path or "<root>") for p in self.parts for i in p.instances if i.no_broadcast_optim_state]
 
     def param_names(self) -> List[str]:
-        return [
-            part.prefix + inst.logical_name(m.name)
-            for part, inst, fp in self.flat_params()
-            for m in fp.members
-        ]
+        return [part.prefix + inst.logical_name(m.name) for part, inst, fp in self.flat_params() for m in fp.members]
 
 
 def _shape(s: Any) -> Tuple[int, ...]:
@@ -161,9 +158,7 @@ def _shape(s: Any) -> Tuple[int, ...]:
 _KNOWN_INSTANCE_KEYS = {"fsdp_path", "params", "shared_param_info", "no_broadcast_optim_state"}
 
 
-def _instance_from_metadata(
-    entry: Mapping[str, Any], dtypes: Mapping[str, Any], where: str
-) -> FsdpInstance:
+def _instance_from_metadata(entry: Mapping[str, Any], dtypes: Mapping[str, Any], where: str) -> FsdpInstance:
     try:
         path = entry["fsdp_path"]
         params = entry["params"]
@@ -183,8 +178,10 @@ def _instance_from_metadata(
         local_key = state_dict_name(join(path, key))
         if local_key not in dtypes:
             if join(path, key) in dtypes:  # torch 1.11's checkpoint_wrapper had no state-dict hooks yet
-                raise CheckpointError(f"{where}: {join(path, key)!r} is stored with a wrapper name that state dicts "
-                                      "hide since torch 1.12; shards saved before that are not supported")
+                raise CheckpointError(
+                    f"{where}: {join(path, key)!r} is stored with a wrapper name that state dicts "
+                    "hide since torch 1.12; shards saved before that are not supported"
+                )
             raise CheckpointError(f"{where}: metadata names {local_key!r} but the shard has no such tensor")
         flat_params.append(FlatParam(key=key, members=tuple(members), numel=offset, dtype=dtypes[local_key]))
     extra = tuple(sorted((k, v) for k, v in entry.items() if k not in _KNOWN_INSTANCE_KEYS))
@@ -197,7 +194,9 @@ def _instance_from_metadata(
     )
 
 
-def part_from_metadata(label: str, prefix: str, md: Mapping[str, Any], dtypes: Mapping[str, Any], where: str = "") -> Part:
+def part_from_metadata(
+    label: str, prefix: str, md: Mapping[str, Any], dtypes: Mapping[str, Any], where: str = ""
+) -> Part:
     """One rank's ``local_metadata_dict()`` as a layout part, unchecked against other ranks.
 
     ``dtypes``: the dtype of each stored tensor, by local key. Enough for
@@ -215,8 +214,13 @@ def part_from_metadata(label: str, prefix: str, md: Mapping[str, Any], dtypes: M
                 if name in seen:
                     raise CheckpointError(f"{where}: parameter {name!r} is listed twice in the FSDP metadata")
                 seen.add(name)
-    return Part(label=label, prefix=prefix, instances=instances, buffers=tuple(md.get("buffer_names", [])),
-                stored_order=tuple(dtypes))
+    return Part(
+        label=label,
+        prefix=prefix,
+        instances=instances,
+        buffers=tuple(md.get("buffer_names", [])),
+        stored_order=tuple(dtypes),
+    )
 
 
 def layout_from_metadata(
@@ -267,8 +271,10 @@ def layout_from_metadata(
                 if got is None:
                     raise CheckpointError(f"{where}: shard has no tensor {key!r}")
                 if got != want:
-                    raise CheckpointError(f"{where}: {key} holds {got} elements, expected {want}"
-                                          + _world_size_hint(fp.numel, got, world_size))
+                    raise CheckpointError(
+                        f"{where}: {key} holds {got} elements, expected {want}"
+                        + _world_size_hint(fp.numel, got, world_size)
+                    )
         if list(md.get("buffer_names", [])) != list(md0.get("buffer_names", [])):
             raise CheckpointError(f"{where}: buffer names differ from rank 0's")
     return part
@@ -283,8 +289,11 @@ def _world_size_hint(numel: int, per_rank: int, found: int) -> str:
         return ""
     if fits > found:
         return f" on {found} ranks; shards of {per_rank} fit {fits} ranks: is a shard file missing?"
-    replicas = f", or are these {found // fits} replicas of a {fits}-rank sharding (pass one replica's files)" \
-        if found % fits == 0 else ""
+    replicas = (
+        f", or are these {found // fits} replicas of a {fits}-rank sharding (pass one replica's files)"
+        if found % fits == 0
+        else ""
+    )
     return f" on {found} ranks; shards of {per_rank} fit {fits} ranks: is there a shard file too many{replicas}?"
 
 
@@ -306,5 +315,3 @@ def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
             entry[k] = v
         entries.append(entry)
     return {"param_metadata": entries, "buffer_names": list(part.buffers)}
-
-

@@ -1,4 +1,4 @@
-"""Copy plans: which source elements go where. Pure data, no I/O."""
-from .intervals import Piece, pieces, reshard_pieces
+"""Copy plans from one layout to another (consolidate, reshard, shard, DCP): which source elements go where. Pure data.
 
-__all__ = ["Piece", "pieces", "reshard_pieces"]
+Internal: not part of the public API, which ckptshard/__init__.py declares.
+"""

@@ -1,12 +1,12 @@
 """Plan a full (unsharded) state dict from shards: one Fill per logical tensor."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
 
-from ..io.fill import Fill, Source, whole
-from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint
 from ..layout.model import FlatParam, FsdpInstance, Member
+from ..read.source import ShardedCheckpoint
+from ..tensors import Fill, Source, TensorRef, whole
 from .intervals import pieces
 
 
@@ -37,7 +37,9 @@ def consolidated_weights(ckpt: ShardedCheckpoint) -> Dict[str, Fill]:
                 key = inst.local_key(fp)
                 refs = [sd[key] for sd in sds]
                 for m in fp.members:
-                    out[part.prefix + inst.logical_name(m.name)] = Fill(m.shape, fp.dtype, member_sources(refs, inst, fp, m))
+                    out[part.prefix + inst.logical_name(m.name)] = Fill(
+                        m.shape, fp.dtype, member_sources(refs, inst, fp, m)
+                    )
             for src, dst in inst.shared:
                 out[part.prefix + inst.logical_name(dst)] = out[part.prefix + inst.logical_name(src)]
         for alias, target in part.aliases:  # unflattened: the target's local key is its logical name
@@ -53,5 +55,5 @@ def split_by_part(ckpt: ShardedCheckpoint, tensors: Dict[str, Fill]) -> List[Dic
     """The same tensors, one dict per part, names relative to the part (containers with several FSDP roots)."""
     out: List[Dict[str, Fill]] = []
     for part in ckpt.layout.parts:
-        out.append({k[len(part.prefix):]: v for k, v in tensors.items() if k.startswith(part.prefix)})
+        out.append({k[len(part.prefix) :]: v for k, v in tensors.items() if k.startswith(part.prefix)})
     return out

@@ -17,17 +17,18 @@ chunks: each contiguous run of one shard is split into the few boxes that
 cover it (:func:`ckptshard.layout.boxes.flat_range_boxes`); nothing is
 gathered.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError
-from ..io.fill import Fill, Source, as_fill, is_tensor, whole
-from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree, get_path, map_leaves, set_path
-from ..layout.boxes import Shape, flat_index, flat_range_boxes, numel
+from ..formats.dcp_state import flatten_state_dict
+from ..layout.boxes import Shape, flat_index, flat_range_boxes
+from ..read.source import ShardedCheckpoint
+from ..tensors import Fill, Source, TensorRef, as_fill, is_tensor, numel, whole, with_fills
+from ..tree import copy_tree, get_path, set_path
 from .consolidate import member_sources
 from .optimizer import check_optimizer
 
@@ -90,70 +91,6 @@ class DcpPlan:
             if isinstance(e, TensorEntry):
                 seen[id(e.fill)] = sum(c.fill.nbytes for c in e.chunks)
         return sum(seen.values())
-
-
-Path = Tuple[Any, ...]  # keys (str) and list positions (int) from the root
-
-
-def flatten_state_dict(tree: Mapping[str, Any], is_leaf_tensor: Callable[[Any], bool] = is_tensor
-                       ) -> Tuple[Dict[str, Any], Dict[str, Path]]:
-    """What ``torch.distributed.checkpoint``'s ``flatten_state_dict`` gives (torch >= 2.4), without torch.
-
-    Mappings are walked; a list is walked only if it holds a tensor or a
-    container that is walked, else it is one value (as are tuples). Names
-    are the path joined by dots. Tested against torch's own.
-    """
-    flat: Dict[str, Any] = {}
-    mapping: Dict[str, Path] = {}
-
-    def terminal(value: Any) -> bool:
-        if isinstance(value, Mapping):
-            return False
-        if not isinstance(value, list):
-            return True
-        return not any((isinstance(v, (Mapping, list)) and not terminal(v)) or is_leaf_tensor(v) for v in value)
-
-    def visit(path: Path, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                visit(path + (str(k),), v)
-        elif terminal(value):
-            name = ".".join(map(str, path))
-            if name in flat:
-                raise CheckpointError(f"two entries flatten to the same DCP name {name!r}")
-            flat[name], mapping[name] = value, path
-        else:
-            for i, v in enumerate(value):
-                visit(path + (i,), v)
-
-    for key, value in tree.items():
-        visit((str(key),), value)
-    return flat, mapping
-
-
-def unflatten_state_dict(flat: Mapping[str, Any], mapping: Mapping[str, Path]) -> Dict[str, Any]:
-    """The nested state dict back from ``flat`` and the planner's ``mapping`` (torch's ``unflatten_state_dict``).
-
-    A str key makes a dict, an int a list, grown with None as needed.
-    """
-    nested: Dict[str, Any] = {}
-    for name, value in flat.items():
-        path = mapping[name]
-        cur: Any = nested
-        for prev, key in zip(path[:-1], path[1:]):
-            fresh: Any = {} if type(key) is str else []
-            if isinstance(cur, Mapping):
-                cur = cur.setdefault(prev, fresh)
-            else:
-                cur.extend([None] * (prev + 1 - len(cur)))
-                if cur[prev] is None:
-                    cur[prev] = fresh
-                cur = cur[prev]
-        last = path[-1]
-        if type(last) is int:
-            cur.extend([None] * (last + 1 - len(cur)))
-        cur[last] = value
-    return nested
 
 
 def plan_dcp(tree: Mapping[str, Any]) -> DcpPlan:
@@ -231,7 +168,7 @@ def container_extra(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
         opt = get_path(tree, ckpt.container.optimizer)
         for k in ("state", "param_groups"):
             opt.pop(k, None)
-    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(tree)
 
 
 def fairscale_to_dcp(
@@ -275,15 +212,23 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
     if not isinstance(optim, Mapping) or "state" not in optim or "param_groups" not in optim:
         raise CheckpointError("optimizer state lacks 'state' or 'param_groups'")
     groups = optim["param_groups"]
-    names_of = [[part.prefix + inst.logical_name(m.name) for m in fp.members] for part, inst, fp in ckpt.layout.flat_params()]
+    names_of = [
+        [part.prefix + inst.logical_name(m.name) for m in fp.members] for part, inst, fp in ckpt.layout.flat_params()
+    ]
     stray = sorted(set(optim["state"]) - {n for names in names_of for n in names})
     if stray:
-        raise CheckpointError(f"optimizer state for {', '.join(map(str, stray[:4]))}, which the model has no parameter of")
+        raise CheckpointError(
+            f"optimizer state for {', '.join(map(str, stray[:4]))}, which the model has no parameter of"
+        )
     # The flat parameter of each optimizer id: model order with one group, the groups' listed order with several.
     per_group = _group_flat_params(names_of, groups) if len(groups) > 1 else []
     if per_group:
         order = [j for js in per_group for j in js]
-        unlisted = [names[0] for j, names in enumerate(names_of) if j not in set(order) and any(n in optim["state"] for n in names)]
+        unlisted = [
+            names[0]
+            for j, names in enumerate(names_of)
+            if j not in set(order) and any(n in optim["state"] for n in names)
+        ]
         if unlisted:
             raise CheckpointError(f"optimizer state for {', '.join(unlisted[:4])}, which no param group lists")
     else:
@@ -310,8 +255,8 @@ def fairscale_full_optimizer(ckpt: ShardedCheckpoint, optim: Mapping[str, Any]) 
             gid += 1
     if missing:
         raise CheckpointError(
-            f"optimizer state missing for {len(missing)} parameters whose flat parameter has some: {', '.join(missing[:8])}"
-            + (" ..." if len(missing) > 8 else "")
+            f"optimizer state missing for {len(missing)} parameters whose flat parameter has some: "
+            f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else "")
         )
     out_groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
     if per_group:
@@ -336,15 +281,17 @@ def _group_flat_params(names_of: List[List[str]], groups: Sequence[Mapping[str, 
             if j in group_of:
                 raise CheckpointError(
                     f"optimizer param groups {group_of[j]} and {g_index} both list members of one FSDP flat "
-                    f"parameter ({', '.join(names_of[j][:3])}): fairscale holds one optimizer entry for them")
+                    f"parameter ({', '.join(names_of[j][:3])}): fairscale holds one optimizer entry for them"
+                )
             group_of[j] = g_index
             js.append(j)
         out.append(js)
     return out
 
 
-def flat_tensors(tree: Mapping[str, Any], keep_non_tensors: bool, where: str,
-                 select: Sequence[str] = ()) -> Dict[str, Any]:
+def flat_tensors(
+    tree: Mapping[str, Any], keep_non_tensors: bool, where: str, select: Sequence[str] = ()
+) -> Dict[str, Any]:
     """DCP's flattened names (``model.trunk.x``, ``optim.state.trunk.x.exp_avg``) -> values.
 
     Only names under a ``select`` prefix, where given; non-tensor values

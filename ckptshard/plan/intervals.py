@@ -5,6 +5,7 @@ global element ``g`` on rank ``g // c`` at local offset ``g % c`` (``c`` the
 chunk size). Every conversion is a list of :class:`Piece`: a run of
 consecutive elements that lies on one source rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

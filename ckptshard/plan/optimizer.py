@@ -20,19 +20,19 @@ distinct flat parameters. fairscale refuses such state in its optimizer
 utilities; its full format (``consolidated_optimizer``) is extended here
 to list each group's global ids.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
-from ..io.fill import Fill, Source, whole
-from ..io.safe_load import TensorRef, read_scalars
-from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree, map_leaves
 from ..layout.model import FlatParam, FsdpInstance, Part
+from ..read.source import ShardedCheckpoint
+from ..read.tensor_data import read_scalar, read_scalars
+from ..tensors import Fill, Source, TensorRef, whole, with_fills
+from ..tree import copy_tree, map_leaves
 from .consolidate import member_sources
 from .intervals import replica_source, reshard_pieces
-
 
 FlatEntry = Tuple[Part, FsdpInstance, FlatParam]
 
@@ -161,8 +161,11 @@ def optimizer_params(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int
             raise CheckpointError(
                 f"{where}: holds {len(ids)} of the model's {len(flat)} flat parameters ({why}), "
                 f"and optimizer entry {i} fits several of them ({names}): "
-                + ("cannot tell which parameter its state belongs to (reshard, which needs only its size, can)"
-                   if len(shapes) == 1 else "cannot tell its size; reshard with --no-optimizer to leave it out")
+                + (
+                    "cannot tell which parameter its state belongs to (reshard, which needs only its size, can)"
+                    if len(shapes) == 1
+                    else "cannot tell its size; reshard with --no-optimizer to leave it out"
+                )
             )
     return chosen
 
@@ -186,9 +189,7 @@ def check_optimizer(ckpt: ShardedCheckpoint, by_name: bool = False) -> List[int]
             raise CheckpointError(f"{where}: not a torch optimizer state dict")
         ids = [i for g in osd["param_groups"] for i in g.get("params", [])]
         if sorted(ids) != list(range(len(flat))):
-            raise CheckpointError(
-                f"{where}: param_groups number {len(ids)} parameters, rank 0's number {len(flat)}"
-            )
+            raise CheckpointError(f"{where}: param_groups number {len(ids)} parameters, rank 0's number {len(flat)}")
         if not isinstance(osd["state"], Mapping) or not all(isinstance(e, Mapping) for e in osd["state"].values()):
             raise CheckpointError(f"{where}: state is not a dict of per-parameter dicts")
         if first is None:
@@ -239,8 +240,9 @@ def check_ranks_agree(ckpt: ShardedCheckpoint) -> None:
         steps = _steps(osd)
         for pid in sorted(set(steps0) | set(steps), key=str):
             if steps.get(pid) != steps0.get(pid):
-                raise CheckpointError(f"{where}: state[{pid}]['step'] is {steps.get(pid)}, "
-                                      f"rank 0's is {steps0.get(pid)}")
+                raise CheckpointError(
+                    f"{where}: state[{pid}]['step'] is {steps.get(pid)}, rank 0's is {steps0.get(pid)}"
+                )
 
 
 def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> Optional[Dict[str, Any]]:
@@ -280,7 +282,7 @@ def resharded_optimizer(ckpt: ShardedCheckpoint, world_size: int, rank: int) -> 
 
 
 def _wrap_refs(tree: Any) -> Any:
-    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(tree)
 
 
 def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
@@ -319,7 +321,7 @@ def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
                     if not isinstance(v, TensorRef):
                         s[k] = v
                     elif len(v.shape) == 0:  # read without torch, as Fills: no import, no data in memory
-                        s[k] = v.scalar() if k == "step" else [whole(osds[r]["state"][lid][k]) for r in range(M)]
+                        s[k] = read_scalar(v) if k == "step" else [whole(osds[r]["state"][lid][k]) for r in range(M)]
                     else:
                         srcs = [osds[r]["state"][lid][k] for r in range(M)]
                         sources = member_sources(srcs, inst, fp, m)

@@ -1,14 +1,14 @@
 """Plan the files FSDP at a new world size would have saved."""
+
 from __future__ import annotations
 
 from typing import Any, Dict
 
 from ..errors import CheckpointError
-from ..io.fill import Fill, Source, whole
-from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..layout.model import metadata_of
+from ..read.source import ShardedCheckpoint
+from ..tensors import Fill, Source, whole, with_fills
+from ..tree import copy_tree, get_path, set_path
 from .intervals import replica_source, reshard_pieces
 from .optimizer import resharded_optimizer
 
@@ -67,4 +67,4 @@ def resharded_file(ckpt: ShardedCheckpoint, world_size: int, rank: int, optimize
         set_path(tree, path, resharded_optimizer(ckpt, world_size, rank))
     elif path is not None:
         get_path(tree, path[:-1]).pop(path[-1])
-    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(tree)

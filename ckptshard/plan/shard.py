@@ -1,15 +1,15 @@
 """Plan shards of a full state dict, following an existing checkpoint's FSDP wrapping."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from ..errors import CheckpointError
-from ..io.fill import Fill, Source, as_fill, is_tensor, sources_in, whole
-from ..io.safe_load import TensorRef
-from ..io.source import ShardedCheckpoint
-from ..io.tree import copy_tree, get_path, map_leaves, set_path
 from ..layout.chunking import shard_range
 from ..layout.model import FlatParam, ShardedLayout, metadata_of
+from ..read.source import ShardedCheckpoint
+from ..tensors import Fill, Source, TensorRef, as_fill, is_tensor, sources_in, with_fills
+from ..tree import copy_tree, get_path, set_path
 
 Tensorish = Union[TensorRef, Fill]  # a stored tensor, or one planned from pieces (e.g. DCP chunks)
 
@@ -26,7 +26,7 @@ def check_full_against_plan(ckpt: ShardedCheckpoint, full: Mapping[str, Tensoris
                     missing.append(name)
                 elif tuple(full[name].shape) != m.shape:
                     wrong.append(f"{name} {list(full[name].shape)} (plan: {list(m.shape)})")
-            for src, dst in inst.shared:
+            for _src, dst in inst.shared:
                 expected.add(part.prefix + inst.logical_name(dst))
         for alias, _ in part.aliases:
             expected.add(part.prefix + alias)
@@ -58,7 +58,10 @@ def _flat_sources(fp: FlatParam, refs: List[Tensorish], world_size: int, rank: i
 
 
 def sharded_from_full(
-    ckpt: ShardedCheckpoint, full: Mapping[str, Tensorish], world_size: int, rank: int,
+    ckpt: ShardedCheckpoint,
+    full: Mapping[str, Tensorish],
+    world_size: int,
+    rank: int,
     optim: Optional[Any] = None,
 ) -> Any:
     """Rank ``rank``'s file at ``world_size``: ``ckpt``'s container and wrapping, ``full``'s values.
@@ -84,7 +87,9 @@ def sharded_from_full(
             elif part.prefix + key in full:
                 sd[key] = as_fill(full[part.prefix + key])
             else:
-                raise CheckpointError(f"{part.prefix}{key}: stored in the template shards but not in the full state dict")
+                raise CheckpointError(
+                    f"{part.prefix}{key}: stored in the template shards but not in the full state dict"
+                )
         for alias, target in part.aliases:
             sd[alias] = sd[target]
         sd = {k: sd[k] for k in template}
@@ -96,16 +101,24 @@ def sharded_from_full(
             get_path(tree, opt_path[:-1]).pop(opt_path[-1])
         else:
             set_path(tree, opt_path, optim)
-    return map_leaves(tree, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(tree)
 
 
 def sharded_files(
-    ckpt: ShardedCheckpoint, full: Mapping[str, Tensorish], world_size: int, full_optim: Optional[Mapping[str, Any]] = None,
+    ckpt: ShardedCheckpoint,
+    full: Mapping[str, Tensorish],
+    world_size: int,
+    full_optim: Optional[Mapping[str, Any]] = None,
 ) -> List[Any]:
     """Every rank's file at ``world_size``: ``ckpt``'s wrapping, ``full``'s values, ``full_optim`` sharded alongside."""
     return [
-        sharded_from_full(ckpt, full, world_size, rank,
-                          None if full_optim is None else sharded_optimizer_from_full(ckpt.layout, full_optim, world_size, rank))
+        sharded_from_full(
+            ckpt,
+            full,
+            world_size,
+            rank,
+            None if full_optim is None else sharded_optimizer_from_full(ckpt.layout, full_optim, world_size, rank),
+        )
         for rank in range(world_size)
     ]
 
@@ -128,7 +141,9 @@ def elementwise_state(key: str, values: List[Any]) -> bool:
     return any(len(v.shape) > 0 for v in values) or key not in SCALAR_STATE
 
 
-def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
+def sharded_optimizer_from_full(
+    layout: ShardedLayout, full_optim: Mapping[str, Any], world_size: int, rank: int
+) -> Dict[str, Any]:
     """Rank ``rank``'s optimizer shard from fairscale's full format (``gather_full_optim_state_dict``).
 
     ``layout``: the FSDP wrapping to shard for (a checkpoint's, or a live
@@ -163,8 +178,10 @@ def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, 
             continue
         if len(held) != len(gids):
             missing = [inst.logical_name(fp.members[gids.index(g)].name) for g in gids if g not in held]
-            raise CheckpointError(f"optimizer entry {lid}: no state for {', '.join(missing[:4])}, "
-                                  "though other parameters of its flat parameter have some")
+            raise CheckpointError(
+                f"optimizer entry {lid}: no state for {', '.join(missing[:4])}, "
+                "though other parameters of its flat parameter have some"
+            )
         entries = [full_optim["state"][g] for g in gids]
         s: Dict[str, Any] = {}
         for k, v in entries[0].items():
@@ -172,7 +189,10 @@ def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, 
                 refs = [e[k] for e in entries]
                 for m, ref in zip(fp.members, refs):
                     if ref.numel != m.numel:
-                        raise CheckpointError(f"optimizer state[{k!r}] for {inst.logical_name(m.name)}: {ref.numel} elements, parameter has {m.numel}")
+                        raise CheckpointError(
+                            f"optimizer state[{k!r}] for {inst.logical_name(m.name)}: {ref.numel} elements, "
+                            f"parameter has {m.numel}"
+                        )
                 s[k] = Fill(fp.local_shape(world_size), v.dtype, _flat_sources(fp, refs, world_size, rank))
             elif isinstance(v, list) and v and is_tensor(v[0]):
                 s[k] = as_fill(v[rank] if rank < len(v) else v[0])  # fairscale's rule for per-rank scalars
@@ -187,9 +207,11 @@ def sharded_optimizer_from_full(layout: ShardedLayout, full_optim: Mapping[str, 
     else:  # each group lists global ids (ckptshard's extension of the format): back to optimizer ids
         id_map = {int(g): lid for g, lid in full_optim["param_id_map"].items()}
         for g in groups:
-            g["params"] = list(dict.fromkeys(int(id_map[int(x)]) for x in g["params"] if id_map.get(int(x)) is not None))
+            g["params"] = list(
+                dict.fromkeys(int(id_map[int(x)]) for x in g["params"] if id_map.get(int(x)) is not None)
+            )
         listed = sorted(i for g in groups for i in g["params"])
         if listed != sorted(by_local):
             raise CheckpointError(f"optimizer param groups list entries {listed}, the state has {sorted(by_local)}")
     out["param_groups"] = groups
-    return map_leaves(out, lambda x: whole(x) if isinstance(x, TensorRef) else x)
+    return with_fills(out)

@@ -1,11 +1,12 @@
 """Select, rename and cast the tensors of a planned full state dict. Pure."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import dtype_name
 from ..errors import CheckpointError
-from ..io.fill import Fill
+from ..tensors import Fill
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}  # --dtype -> torch's name
 
@@ -44,7 +45,7 @@ def name_mapper(
         new = name
         for p in strip_prefix:
             if new.startswith(p):
-                new = new[len(p):]
+                new = new[len(p) :]
                 break
         for a, b in rename:
             new = new.replace(a, b)

@@ -1,1 +1,4 @@
-"""Real fairscale checkpoints for tests, the demo and benchmarks."""
+"""Real fairscale checkpoints for tests, the demo and benchmarks.
+
+Internal: not part of the public API, which ckptshard/__init__.py declares.
+"""

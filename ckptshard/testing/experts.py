@@ -8,6 +8,7 @@ the whole parameter, different on every rank. The root is sharded as usual.
     src/checkpoint_last-shard{r}.pt   model, fsdp_metadata, last_optimizer_state
     live{r}.pt                        rank r's live state_dict() (its own expert)
 """
+
 from __future__ import annotations
 
 import os
@@ -48,9 +49,14 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         optim.zero_grad()
     live = root.state_dict()
     os.makedirs(os.path.join(out, "src"), exist_ok=True)
-    torch.save({"model": root.local_state_dict(), "fsdp_metadata": root.local_metadata_dict(),
-                "last_optimizer_state": optim.state_dict()},
-               os.path.join(out, "src", f"checkpoint_last-shard{rank}.pt"))
+    torch.save(
+        {
+            "model": root.local_state_dict(),
+            "fsdp_metadata": root.local_metadata_dict(),
+            "last_optimizer_state": optim.state_dict(),
+        },
+        os.path.join(out, "src", f"checkpoint_last-shard{rank}.pt"),
+    )
     torch.save(live, os.path.join(out, f"live{rank}.pt"))
 
 

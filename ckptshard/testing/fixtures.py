@@ -12,6 +12,7 @@ Layout of ``build_fixture(root, W)``'s output folder::
     ref/next_step.pt                                 (next_step=True: BatchNorm in eval mode throughout)
                                                      one more step: its global loss, the state_dict() after it
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ def wrap_fixture_model(model: VisslLikeModel, variant: str, init: Optional[str] 
     trunk.gate = FSDP(trunk.gate, **base, **cfg["trunk"])
     model.trunk = FSDP(trunk, **base, **cfg["trunk"])
     # The root casts inputs to fp16 when mixed precision is on, as VISSL's root wrap does.
-    return wrap_heads_and_model(model, head_config=cfg["head"], root_config=cfg["root"],
-                                prototypes_config=cfg["prototypes"], init=init)
+    return wrap_heads_and_model(
+        model, head_config=cfg["head"], root_config=cfg["root"], prototypes_config=cfg["prototypes"], init=init
+    )
 
 
 def inner(root: Any) -> VisslLikeModel:
@@ -55,7 +57,9 @@ def inner(root: Any) -> VisslLikeModel:
     return root.module.module
 
 
-def train_steps(root: Any, optim: torch.optim.Optimizer, rank: int, world_size: int, steps: range, seed: int) -> List[float]:
+def train_steps(
+    root: Any, optim: torch.optim.Optimizer, rank: int, world_size: int, steps: range, seed: int
+) -> List[float]:
     losses = []
     for step in steps:
         x, *ys = local_batch(step, rank, world_size, seed)
@@ -100,8 +104,9 @@ def global_step(model: Any, optim: torch.optim.Optimizer, rank: int, world_size:
     return total.item() / world_size
 
 
-def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: int, steps: int,
-                    next_step: bool = False) -> None:
+def _fixture_worker(
+    rank: int, world_size: int, out: str, variant: str, seed: int, steps: int, next_step: bool = False
+) -> None:
     torch.manual_seed(seed)
     root = wrap_fixture_model(VisslLikeModel(), variant)
     optim = make_optimizer(root.parameters(), variant)
@@ -114,7 +119,9 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
     # fairscale cannot gather at world size 1 (no _full_param_padded on unsharded params), nor
     # with frozen parameters (it takes optimizer entry k for FSDP instance k), nor with several
     # param groups (it asserts one).
-    full_optim = root.gather_full_optim_state_dict(optim) if world_size > 1 and variant not in ("frozen", "groups") else None
+    full_optim = (
+        root.gather_full_optim_state_dict(optim) if world_size > 1 and variant not in ("frozen", "groups") else None
+    )
     local, meta = root.local_state_dict(), root.local_metadata_dict()
     osd = optim.state_dict()
     m = inner(root)
@@ -126,8 +133,9 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
         torch.save(full, os.path.join(out, "ref", "full_state_dict.pt"))
         if full_optim is not None:
             torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
-        torch.save({"losses": losses, "variant": variant, "world_size": world_size},
-                   os.path.join(out, "ref", "losses.pt"))
+        torch.save(
+            {"losses": losses, "variant": variant, "world_size": world_size}, os.path.join(out, "ref", "losses.pt")
+        )
     if next_step:
         # gather_full_optim_state_dict left Python floats in the live state; torch's Adam steps on tensors.
         for st in optim.state.values():
@@ -136,7 +144,9 @@ def _fixture_worker(rank: int, world_size: int, out: str, variant: str, seed: in
         loss = global_step(root, optim, rank, world_size, steps, seed)
         after = root.state_dict()
         if rank == 0:
-            torch.save({"loss": loss, "step": steps, "full_state_dict": after}, os.path.join(out, "ref", "next_step.pt"))
+            torch.save(
+                {"loss": loss, "step": steps, "full_state_dict": after}, os.path.join(out, "ref", "next_step.pt")
+            )
 
 
 def save_containers(
@@ -163,8 +173,14 @@ def save_containers(
             "last_optimizer_state": fairseq_osd,
             "cfg": {"model": {"arch": "vissl_like"}, "optimization": {"lr": [LR]}},
             "args": None,
-            "optimizer_history": [{"criterion_name": "CrossEntropy", "optimizer_name": "FairseqAdam",
-                                   "lr_scheduler_state": {"best": None}, "num_updates": steps}],
+            "optimizer_history": [
+                {
+                    "criterion_name": "CrossEntropy",
+                    "optimizer_name": "FairseqAdam",
+                    "lr_scheduler_state": {"best": None},
+                    "num_updates": steps,
+                }
+            ],
             "extra_state": {"epoch": 1, "train_iterator": {"epoch": 1, "iterations_in_epoch": steps}},
             "task_state": {},
         },
@@ -205,8 +221,9 @@ def save_containers(
         )
 
 
-def build_fixture(out: str, world_size: int, variant: str = "mixed", seed: int = 0, steps: int = STEPS,
-                  next_step: bool = False) -> str:
+def build_fixture(
+    out: str, world_size: int, variant: str = "mixed", seed: int = 0, steps: int = STEPS, next_step: bool = False
+) -> str:
     """Train the fixture model on ``world_size`` gloo ranks and save every container into ``out``."""
     os.makedirs(out, exist_ok=True)
     run_world(_fixture_worker, world_size, out, variant, seed, steps, next_step)
@@ -222,5 +239,3 @@ CONTAINERS = {
 
 def source_path(fixture_dir: str, container: str) -> str:
     return os.path.join(fixture_dir, CONTAINERS[container])
-
-

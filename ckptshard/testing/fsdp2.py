@@ -6,6 +6,7 @@ the trunk, each prototype, the head, the root), loaded with ``dcp.load`` and
 ``set_model_state_dict``/``set_optimizer_state_dict``, and its full state is
 gathered back with torch's own API for the test to compare offline.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,13 +56,18 @@ def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
         # At world size 1 the "full" state dict aliases the live parameters: copy it before stepping.
-        result: Dict[str, Any] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, {
-            "model": get_model_state_dict(model, options=full),
-            "optim": get_optimizer_state_dict(model, optim, options=full),
-        })
+        result: Dict[str, Any] = tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+            {
+                "model": get_model_state_dict(model, options=full),
+                "optim": get_optimizer_state_dict(model, optim, options=full),
+            },
+        )
         if job.get("save"):  # torch's own DCP writer, for the reader's tests
-            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
-                     checkpoint_id=job["save"])
+            dcp.save(
+                {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
+                checkpoint_id=job["save"],
+            )
         if job.get("next_step") is not None:
             result["loss"] = global_step(model, optim, rank, world_size, job["next_step"], 0)
             result["after"] = get_model_state_dict(model, options=full)
@@ -70,7 +76,8 @@ def _load_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> None
 
 
 def load_in_fsdp2(world_size: int, jobs: List[Dict[str, Any]]) -> None:
-    """For each job ``{"dcp": folder, "out": file, "next_step": step or None, "save": folder or None}``, in one process group
+    """For each job ``{"dcp": folder, "out": file, "next_step": step or None, "save": folder or None}``,
+    in one process group
     of ``world_size`` ranks: load the DCP folder into FSDP2 and save the gathered state (rank 0) to
     ``out``; with ``next_step``, also train that step (BatchNorm in eval mode) and save its global
     loss and the state after it; with ``save``, re-save the loaded state there with ``dcp.save``."""
@@ -86,8 +93,11 @@ def _save_sharded_worker(rank: int, world_size: int, out: str) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(7)
-    full = {"cols": torch.randn(5, 7, generator=g), "rows": torch.randn(7, 3, 2, generator=g),
-            "mid": torch.randn(3, 5, 4, generator=g)}
+    full = {
+        "cols": torch.randn(5, 7, generator=g),
+        "rows": torch.randn(7, 3, 2, generator=g),
+        "mid": torch.randn(3, 5, 4, generator=g),
+    }
     state = {
         "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),  # tensor-parallel style: a run per row
         "rows": distribute_tensor(full["rows"], mesh, [Shard(0)]),

@@ -5,6 +5,7 @@ buffers (int64 ``num_batches_tracked``), a tied parameter inside a nested
 instance, a 3-element parameter sharded alone (empty chunks past 3 ranks), and
 SwAV prototypes wrapped unflattened in full precision.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -107,16 +108,24 @@ def fixture_wrap_kwargs(variant: str) -> Dict[str, Dict[str, Any]]:
     fp32 with the optimizer in two param groups, the head's listed first.
     Prototypes are always fp32 and unflattened, as in VISSL's SwAV.
     """
-    proto = {"flatten_parameters": False, "mixed_precision": False, "fp32_reduce_scatter": False,
-             "force_input_to_fp32": True}
+    proto = {
+        "flatten_parameters": False,
+        "mixed_precision": False,
+        "fp32_reduce_scatter": False,
+        "force_input_to_fp32": True,
+    }
     if variant == "mixed":
         # fp32_reduce_scatter as VISSL's configs set it; without it fairscale at world
         # size 1 leaves fp16 grads on fp32 params, which torch's Adam rejects.
         mp = {"mixed_precision": True, "fp32_reduce_scatter": True}
         return {"trunk": mp, "head": mp, "prototypes": proto, "root": mp}
     if variant == "half":
-        return {"trunk": {"mixed_precision": False, "compute_dtype": torch.float16},
-                "head": {"mixed_precision": False, "force_input_to_fp32": True}, "prototypes": proto, "root": {}}
+        return {
+            "trunk": {"mixed_precision": False, "compute_dtype": torch.float16},
+            "head": {"mixed_precision": False, "force_input_to_fp32": True},
+            "prototypes": proto,
+            "root": {},
+        }
     if variant in ("fp32", "frozen", "groups"):  # frozen: fp32, the trunk's parameters requires_grad=False
         return {"trunk": {}, "head": {}, "prototypes": proto, "root": {}}
     raise ValueError(f"unknown fixture variant {variant!r}")

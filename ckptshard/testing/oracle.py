@@ -8,6 +8,7 @@ each candidate output (ckptshard's resharded files) with
 ``load_local_state_dict(strict=True)`` and ``optimizer.load_state_dict`` and
 records what the model's full state looks like afterwards.
 """
+
 from __future__ import annotations
 
 import copy

@@ -6,6 +6,7 @@ function of its position, so any slice can be made without the whole tensor
 and a rank's shard costs only its own bytes. ``tests/test_synthetic.py``
 checks the shards equal what real FSDP saves for the same weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -102,8 +103,16 @@ def write_synthetic(
         if optimizer:
             obj["last_optimizer_state"] = {
                 "state": state,
-                "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                                  "amsgrad": False, "params": list(range(len(part.instances)))}],
+                "param_groups": [
+                    {
+                        "lr": 1e-3,
+                        "betas": (0.9, 0.999),
+                        "eps": 1e-8,
+                        "weight_decay": 0.0,
+                        "amsgrad": False,
+                        "params": list(range(len(part.instances))),
+                    }
+                ],
             }
         path = os.path.join(out, f"checkpoint_last-shard{rank}.pt")
         torch.save(obj, path)

@@ -37,6 +37,7 @@ from those, what real FSDP at world size ``n`` makes of them (see
 :func:`_check_worker`); ``optimizer_loaded_in_fsdp2`` what torch's FSDP2
 gathers from a DCP of them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,7 +59,8 @@ class TinyLM(nn.Module):
         self.temperature = nn.Parameter(torch.tensor(0.5))  # 0-dim, first in the root's flat param
         self.embed = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(
-            [nn.TransformerEncoderLayer(DIM, HEADS, FFN, dropout=0.0, batch_first=True) for _ in range(3)])
+            [nn.TransformerEncoderLayer(DIM, HEADS, FFN, dropout=0.0, batch_first=True) for _ in range(3)]
+        )
         self.act = nn.ReLU()
         self.norm = nn.BatchNorm1d(DIM)
         self.out = nn.Linear(DIM, VOCAB)
@@ -81,7 +83,9 @@ def _no_recompute(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def wrap(variant: str, seed: int) -> Any:
     from fairscale.nn import FullyShardedDataParallel as FSDP
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     from ..fsdp.cpu_compat import cpu_fsdp_kwargs
 
@@ -118,6 +122,7 @@ def entry_keys(root: Any, optim: torch.optim.Optimizer) -> List[str]:
 
 def _with(local: Dict[str, torch.Tensor], keys: List[str], values: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """``local`` with the tensor under each of ``keys`` (and under any alias: same memory) replaced."""
+
     def where(t: torch.Tensor) -> Any:
         return (t.data_ptr(), tuple(t.shape)) if t.numel() else id(t)
 
@@ -142,8 +147,9 @@ def full_moments(root: Any, optim: torch.optim.Optimizer, variant: str) -> Dict[
 def make_optimizer(root: Any, variant: str) -> torch.optim.Optimizer:
     params = list(root.parameters())
     if variant == "groups":  # ids 0-1: the last two flat params; ids 2-4: the first three
-        return torch.optim.AdamW([{"params": params[3:], "lr": 2e-2, "weight_decay": 0.0}, {"params": params[:3]}],
-                                 lr=1e-2, amsgrad=True)
+        return torch.optim.AdamW(
+            [{"params": params[3:], "lr": 2e-2, "weight_decay": 0.0}, {"params": params[:3]}], lr=1e-2, amsgrad=True
+        )
     return torch.optim.AdamW(params, lr=1e-2, amsgrad=True)
 
 
@@ -162,9 +168,15 @@ def _train_worker(rank: int, world_size: int, out: str, variants: List[str]) -> 
         full_optim = root.gather_full_optim_state_dict(optim) if variant == "flat" else None
         folder = os.path.join(out, variant)
         os.makedirs(os.path.join(folder, "src"), exist_ok=True)
-        torch.save({"model": root.local_state_dict(), "fsdp_metadata": root.local_metadata_dict(),
-                    "last_optimizer_state": optim.state_dict(), "extra_state": {"epoch": 1}},
-                   os.path.join(folder, "src", f"checkpoint_last-shard{rank}.pt"))
+        torch.save(
+            {
+                "model": root.local_state_dict(),
+                "fsdp_metadata": root.local_metadata_dict(),
+                "last_optimizer_state": optim.state_dict(),
+                "extra_state": {"epoch": 1},
+            },
+            os.path.join(folder, "src", f"checkpoint_last-shard{rank}.pt"),
+        )
         if rank == 0:
             torch.save({"full": full, "full_optim": full_optim, "moments": moments}, os.path.join(folder, "ref.pt"))
 
@@ -196,8 +208,12 @@ def _check_worker(rank: int, world_size: int, jobs: List[Dict[str, Any]]) -> Non
         oracle_optim = None
         if ref["full_optim"] is not None:
             oracle_optim = root.get_shard_from_optim_state_dict(copy.deepcopy(ref["full_optim"]))
-        record: Dict[str, Any] = {"local": root.local_state_dict(), "meta": root.local_metadata_dict(),
-                                  "optim": oracle_optim, "moments": {}}
+        record: Dict[str, Any] = {
+            "local": root.local_state_dict(),
+            "meta": root.local_metadata_dict(),
+            "optim": oracle_optim,
+            "moments": {},
+        }
         keys = entry_keys(root, make_optimizer(root, job["variant"]))
         for k, full_k in ref["moments"].items():
             carrier = wrap(job["variant"], 4)
@@ -245,15 +261,17 @@ def _fsdp2_worker(rank: int, world_size: int, dcp_dir: str, out: str) -> None:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from ..io.dcp import open_dcp
+    from ..read.dcp import open_dcp
 
     torch.manual_seed(9)  # not the run's seed: loading must overwrite every value
     model = TinyLM()
     for layer in model.layers:
         fully_shard(layer)  # the root stays unsharded: fully_shard refuses the 0-dim temperature
     by_name = dict(model.named_parameters())
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in g["params"]]}
-              for g in open_dcp(dcp_dir).tree["optim"]["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [by_name[n] for n in g["params"]]}
+        for g in open_dcp(dcp_dir).tree["optim"]["param_groups"]
+    ]
     optim = torch.optim.AdamW(groups)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
     dcp.load(state, checkpoint_id=dcp_dir)

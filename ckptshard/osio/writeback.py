@@ -7,6 +7,7 @@ queues the writeback of a finished span right away and returns; the disk
 then writes while the copy goes on. It promises nothing about durability:
 the fsync stays. Linux only; elsewhere this is a no-op.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -36,22 +36,22 @@ Memory and open files stay bounded whatever the number of outputs: one
 thread and one mapped buffer per run, and a writer that gets more than
 ``MAX_AHEAD`` complete files ahead of the hash waits for it to catch up.
 """
+
 from __future__ import annotations
 
 import collections
 import contextlib
 import mmap
 import os
-import struct
 import threading
 from typing import Callable, Deque, Dict, Iterator, Optional, Tuple
 
 import xxhash
 
 from .durability import durable
-from .fill import MAP_MIN
+from .window import MAP_MIN
 from .writeback import start_writeback
-from .zip_crc import crc32
+from .zip_crc import crc32, set_crc
 
 ALGORITHM = "xxh3_128"  # the manifest's key for each file's digest
 new_hash = xxhash.xxh3_128
@@ -207,7 +207,7 @@ class Hashes:
         self._queue.clear()
         self._by_path.clear()
 
-    def __enter__(self) -> "Hashes":
+    def __enter__(self) -> Hashes:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -219,8 +219,9 @@ class Hashes:
         try:
             while True:
                 with self._cond:
-                    while not self._closed and (not self._queue or self._queue[0].done >= self._queue[0].mark
-                                                and not self._queue[0].complete):
+                    while not self._closed and (
+                        not self._queue or (self._queue[0].done >= self._queue[0].mark and not self._queue[0].complete)
+                    ):
                         self._cond.wait()
                     if self._closed:
                         return
@@ -265,8 +266,7 @@ def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition,
             start_writeback(f.fd, start, stop - start)
         f.done = stop
         if record is not None and f.done == record[1]:
-            for pos in record[2]:
-                os.pwrite(f.fd, struct.pack("<I", f.crc), pos)
+            set_crc(f.fd, f.crc, record[2])
             f.crc = 0
             with cond:
                 f.crcs.popleft()

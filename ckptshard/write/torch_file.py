@@ -1,26 +1,26 @@
-"""Writers for torch.save and safetensors outputs, fed by Fills.
+"""Write torch.save files from plan trees whose tensors are Fills.
 
-Both lay out the whole file first (header or pickle, with every tensor's
-place reserved) and then fill tensor bytes in file order, so nothing larger
-than a copy block is ever held in memory.
+The whole file is laid out first (pickle and zip records, every tensor's
+place reserved) and tensor bytes are then filled in file order, so nothing
+larger than a copy block is ever held in memory.
 """
+
 from __future__ import annotations
 
-import json
 import os
-import struct
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..dtypes import SAFETENSORS_CODE, Size, StoredDType, dtype_name, to_torch
-from ..errors import CheckpointError
-from .atomic import open_empty, preallocate
-from .fill import MAP_MIN, Copier, Fill, Progress
-from .hashing import Hashes
-from .safe_load import TensorRef, safe_globals
-from .tree import leaves, map_leaves
-from .pickle_reader import Unsupported
-from .torch_save import Skeleton, lay_out_zip, write_laid_out
-from .zip_crc import CrcFixer, crc32, deferred_crcs
+from ..dtypes import Size, StoredDType, to_torch
+from ..formats.torch_pickle import Unsupported
+from ..formats.torch_save import Skeleton, lay_out_zip
+from ..osio.atomic import open_empty, preallocate
+from ..osio.hashing import Hashes
+from ..osio.window import MAP_MIN
+from ..osio.zip_crc import CrcFixer, crc32, deferred_crcs, set_crc
+from ..read.safe_load import safe_globals
+from ..tensors import Fill, Progress, TensorRef, fills_in
+from ..tree import leaves, map_leaves
+from .copier import Copier
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +39,7 @@ def _fake_mode() -> Any:
     return _FAKE_MODE
 
 
-def placeholder(shape: Tuple[int, ...], dtype: Any) -> "torch.Tensor":
+def placeholder(shape: Tuple[int, ...], dtype: Any) -> torch.Tensor:
     """A tensor for torch.save to lay out under ``skip_data``: its bytes are never written or read.
 
     ``torch.empty`` reserves address space only (untouched pages take no
@@ -56,19 +56,6 @@ def placeholder(shape: Tuple[int, ...], dtype: Any) -> "torch.Tensor":
             return torch.empty(shape, dtype=dtype)
 
 
-def _fills_in(tree: Any) -> List[Fill]:
-    seen, out = set(), []
-    for _, leaf in leaves(tree):
-        if isinstance(leaf, Fill) and id(leaf) not in seen:
-            seen.add(id(leaf))
-            out.append(leaf)
-    return out
-
-
-def tree_nbytes(tree: Any) -> int:
-    return sum(f.nbytes for f in _fills_in(tree))
-
-
 RECORD_OVERHEAD = 512  # bytes a tensor adds to a torch.save zip beyond its data: headers, alignment, pickle
 FILE_OVERHEAD = 4096  # and a file: its other records and the central directory's end
 
@@ -83,7 +70,7 @@ def torch_file_size_bound(tree: Any) -> int:
     """
     import pickle
 
-    fills = _fills_in(tree)
+    fills = fills_in(tree)
     if all(isinstance(f.dtype, StoredDType) for f in fills):
         try:
             return lay_out_zip(tree).end
@@ -95,12 +82,6 @@ def torch_file_size_bound(tree: Any) -> int:
     except Exception:  # a value only torch's pickler handles: count it generously
         carried = 1 << 20
     return sum(f.nbytes for f in fills) + RECORD_OVERHEAD * len(fills) + carried + FILE_OVERHEAD
-
-
-def tree_pieces(tree: Any) -> int:
-    """How many source runs the tensors of ``tree`` are copied from (each copied, and mapped from
-    256 KiB up, on its own)."""
-    return sum(len(f.sources) for f in _fills_in(tree))
 
 
 def write_torch(
@@ -122,7 +103,7 @@ def write_torch(
     file of many small runs is put together in memory instead
     (:func:`_in_memory`): the same bytes, written at once.
     """
-    fills = _fills_in(tree)
+    fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
     deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
     if all(isinstance(f.dtype, StoredDType) for f in fills):  # read without torch: write without it too
@@ -182,12 +163,21 @@ def _in_memory(skeleton: Skeleton, fills: List[Fill]) -> bool:
     if skeleton.end > IN_MEMORY_MAX:
         return False
     pieces = sum(len(f.sources) for f in fills)
-    return (pieces >= IN_MEMORY_MIN_RUNS and sum(f.nbytes for f in fills) < MAP_MIN * pieces
-            and all(Copier.copies_only(f) for f in fills))
+    return (
+        pieces >= IN_MEMORY_MIN_RUNS
+        and sum(f.nbytes for f in fills) < MAP_MIN * pieces
+        and all(Copier.copies_only(f) for f in fills)
+    )
 
 
-def _write_torch_in_memory(path: str, skeleton: Skeleton, fills: List[Fill], copier: Copier,
-                           progress: Optional[Progress], hashes: Optional[Hashes]) -> None:
+def _write_torch_in_memory(
+    path: str,
+    skeleton: Skeleton,
+    fills: List[Fill],
+    copier: Copier,
+    progress: Optional[Progress],
+    hashes: Optional[Hashes],
+) -> None:
     buf = bytearray(skeleton.end)
     view = memoryview(buf)
     try:
@@ -199,9 +189,7 @@ def _write_torch_in_memory(path: str, skeleton: Skeleton, fills: List[Fill], cop
             if progress:
                 progress(fill.nbytes)
         for start, size, where in skeleton.crcs:
-            crc = struct.pack("<I", crc32(view[start : start + size]))
-            for pos in where:
-                view[pos : pos + 4] = crc
+            set_crc(view, crc32(view[start : start + size]), where)
         fd = open_empty(path)
         try:
             done = 0
@@ -215,7 +203,7 @@ def _write_torch_in_memory(path: str, skeleton: Skeleton, fills: List[Fill], cop
         view.release()
 
 
-def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tuple[int, "Fill"]]:
+def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tuple[int, Fill]]:
     """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id."""
     import torch
 
@@ -255,106 +243,31 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
     return targets
 
 
-def _safetensors_header(tensors: Mapping[str, Fill], metadata: Optional[Mapping[str, str]]) -> Tuple[bytes, Dict[str, int]]:
-    header: Dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offsets, pos = {}, 0
-    for name in sorted(tensors):
-        fill = tensors[name]
-        code = SAFETENSORS_CODE.get(dtype_name(fill.dtype))
-        if code is None:
-            raise CheckpointError(f"{name}: dtype {fill.dtype} cannot be stored in safetensors")
-        header[name] = {
-            "dtype": code,
-            "shape": list(fill.shape),
-            "data_offsets": [pos, pos + fill.nbytes],
-        }
-        offsets[name] = pos
-        pos += fill.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw, offsets
+def write_skeleton(path: str, tree: Any) -> Skeleton:
+    """Write ``tree`` as torch.save would, tensor data left as holes: each Fill's data offset (by id), and
+    where each tensor record's CRC goes (the writer knows: nobody reads the zip back to find out)."""
+    skeleton = lay_out_zip(tree)
+    write_laid_out(path, skeleton)
+    return skeleton
 
 
-def write_safetensors(
-    path: str,
-    tensors: Mapping[str, Fill],
-    copier: Copier,
-    progress: Optional[Progress] = None,
-    metadata: Optional[Mapping[str, str]] = None,
-    hashes: Optional[Hashes] = None,
-) -> None:
-    """One safetensors file; tied tensors are stored as separate copies, as the format requires."""
-    head, offsets = _safetensors_header(tensors, metadata)
-    total = len(head) + sum(f.nbytes for f in tensors.values())
+def write_laid_out(path: str, skeleton: Skeleton) -> None:
+    """Write ``skeleton``'s bytes to a new file at ``path``, its tensor data left as holes."""
     fd = open_empty(path)
-    watch = hashes.watch(path) if hashes else None  # the file exists from here
     try:
-        preallocate(fd, total)
-        os.pwrite(fd, head, 0)
-        for name in sorted(tensors):
-            if watch:
-                watch(len(head) + offsets[name])
-            copier.fill(fd, len(head) + offsets[name], tensors[name], progress)
+        preallocate(fd, skeleton.end)
+        # One write per run: a seek and a write per zip field cost ~10 ms a file beside busy copy threads.
+        for at, data in skeleton.runs:
+            os.pwrite(fd, data, at)
     finally:
         os.close(fd)
-    if hashes:
-        hashes.complete(path)
 
 
-def split_by_size(tensors: Mapping[str, Fill], max_bytes: int) -> List[List[str]]:
-    """Group names, in name order, into files of at most ``max_bytes`` (a bigger tensor gets its own)."""
-    groups: List[List[str]] = [[]]
-    size = 0
-    for name in sorted(tensors):
-        n = tensors[name].nbytes
-        if groups[-1] and size + n > max_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
-    return groups
+def save_plain(path: str, obj: Any) -> None:
+    """``torch.save(obj, path)`` for an object without tensors (e.g. VISSL's shard_list), torch-free if possible."""
+    try:
+        write_skeleton(path, obj)
+    except Unsupported:
+        import torch
 
-
-INDEX_JSON = "model.safetensors.index.json"
-
-
-def safetensors_index_plan(tensors: Mapping[str, Fill], max_bytes: int, metadata: Optional[Mapping[str, str]] = None
-                           ) -> Tuple[List[Tuple[str, Dict[str, Fill]]], Dict[str, Any]]:
-    """The files (name, tensors) of an index-sharded safetensors folder, and its index.
-
-    Pure: every process (``--jobs``, torchrun ranks) plans the same names.
-    """
-    groups = split_by_size(tensors, max_bytes)
-    n = len(groups)
-    files = [(f"model-{i:05d}-of-{n:05d}.safetensors", {k: tensors[k] for k in g}) for i, g in enumerate(groups, 1)]
-    weight_map = {k: fname for fname, group in files for k in group}
-    index = {
-        "metadata": {"total_size": sum(f.nbytes for f in tensors.values()), **(metadata or {})},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    return files, index
-
-
-def write_index_json(folder: str, index: Mapping[str, Any]) -> str:
-    with open(os.path.join(folder, INDEX_JSON), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    return INDEX_JSON
-
-
-def write_safetensors_index(
-    folder: str,
-    tensors: Mapping[str, Fill],
-    max_bytes: int,
-    copier: Copier,
-    progress: Optional[Progress] = None,
-    metadata: Optional[Mapping[str, str]] = None,
-    hashes: Optional[Hashes] = None,
-) -> List[str]:
-    """Index-sharded safetensors (the ``model.safetensors.index.json`` convention)."""
-    files, index = safetensors_index_plan(tensors, max_bytes, metadata)
-    for fname, group in files:
-        write_safetensors(os.path.join(folder, fname), group, copier, progress, metadata, hashes)
-    return [fname for fname, _ in files] + [write_index_json(folder, index)]
+        torch.save(obj, path)

@@ -3,6 +3,7 @@
 Opening reads only the pickles (tensors stay on disk as TensorRefs), checks
 that the ranks agree with each other, and builds the layout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,13 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
+from ..formats.torch_pickle import Unsupported
 from ..layout.chunking import padding
 from ..layout.model import Part, ShardedLayout, layout_from_metadata
+from ..tensors import TensorRef
+from ..tree import get_path, leaves
 from .containers import Container, PartSpec, detect
 from .discover import ShardFiles, find_shards
-from .pickle_reader import Unsupported, read_torch_file, torch_free_allowed
-from .safe_load import TensorRef, load_lazy
-from .tree import get_path, leaves
+from .safe_load import load_lazy
+from .tensor_data import read_scalar
+from .torch_file import read_torch_file, torch_free_allowed
 
 
 @dataclass
@@ -46,7 +50,11 @@ class ShardedCheckpoint:
     def extra_keys(self, part_index: int) -> List[str]:
         """Stored tensors that are neither flat params, their aliases nor buffers: carried as is."""
         part = self.layout.parts[part_index]
-        known = {inst.local_key(fp) for inst, fp in part.flat_params()} | set(part.buffer_keys) | {a for a, _ in part.aliases}
+        known = (
+            {inst.local_key(fp) for inst, fp in part.flat_params()}
+            | set(part.buffer_keys)
+            | {a for a, _ in part.aliases}
+        )
         return [k for k in self.local_state(0, part_index) if k not in known]
 
 
@@ -76,11 +84,21 @@ def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> 
 
 
 def open_checkpoint(src: str, trust_pickles: bool = False, torch_free: bool = False) -> ShardedCheckpoint:
-    """Open ``src`` (folder, shard file or VISSL shard_list) for reading.
+    """Open a sharded checkpoint: every rank's pickle (no tensor data), its container and layout, checked.
 
-    ``torch_free``: read the pickles without importing torch where possible
-    (inspect, consolidate, reshard); tensors' dtypes are then StoredDTypes,
-    and the writers lay out .pt files without torch too.
+    Args:
+        src: a folder of shards, one shard file (its siblings are found) or a VISSL shard_list file.
+        trust_pickles: unpickle without the weights-only safety net (files you trust only).
+        torch_free: read the pickles without importing torch where possible; tensors' dtypes are then
+            ``StoredDType``s, and writers lay out .pt files without torch too.
+
+    Returns:
+        ``ShardedCheckpoint``: ``files``, ``container``, ``layout`` (parts, FSDP instances, flat
+        parameters), ``world_size``, and each rank's objects with tensors as ``TensorRef``s.
+
+    Raises:
+        CheckpointError: a missing, extra or damaged shard, ranks that disagree (metadata, padding,
+            buffers, progress counters), metadata that does not describe the data.
     """
     files = find_shards(src)
     objs = _load_all(files.paths, trust_pickles, torch_free)
@@ -97,10 +115,18 @@ def open_checkpoint(src: str, trust_pickles: bool = False, torch_free: bool = Fa
 
 # Values that identify one save of one run, where the container has them.
 _PROGRESS_PATHS = {
-    "fairseq": [("optimizer_history", -1, "num_updates"), ("extra_state", "epoch"),
-                ("extra_state", "train_iterator", "epoch"), ("extra_state", "train_iterator", "iterations_in_epoch")],
-    "metaseq": [("optimizer_history", -1, "num_updates"), ("extra_state", "epoch"),
-                ("extra_state", "train_iterator", "epoch"), ("extra_state", "train_iterator", "iterations_in_epoch")],
+    "fairseq": [
+        ("optimizer_history", -1, "num_updates"),
+        ("extra_state", "epoch"),
+        ("extra_state", "train_iterator", "epoch"),
+        ("extra_state", "train_iterator", "iterations_in_epoch"),
+    ],
+    "metaseq": [
+        ("optimizer_history", -1, "num_updates"),
+        ("extra_state", "epoch"),
+        ("extra_state", "train_iterator", "epoch"),
+        ("extra_state", "train_iterator", "iterations_in_epoch"),
+    ],
     "vissl": [("iteration",), ("phase_idx",), ("train_phase_idx",), ("type",)],
     "plain": [("step",), ("iteration",), ("epoch",)],
 }
@@ -120,7 +146,7 @@ def _progress_values(ckpt: ShardedCheckpoint, rank: int) -> Dict[str, Any]:
         for pid, entry in sorted(osd["state"].items(), key=lambda kv: str(kv[0]))[:1]:
             step = entry.get("step") if isinstance(entry, Mapping) else None
             if isinstance(step, TensorRef) and step.numel == 1:
-                step = step.scalar()
+                step = read_scalar(step)
             if isinstance(step, (int, float)):
                 out[f"optimizer step of entry {pid}"] = float(step)
     return out
@@ -165,18 +191,21 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
     part = layout_from_metadata(spec.label, spec.prefix, metas, numels, dtypes)
     # local_metadata_dict() lists every named buffer, state_dict() only the
     # persistent ones: a listed buffer no rank stored is non-persistent.
-    part = dataclasses.replace(part, unstored_buffers=tuple(b for b, k in zip(part.buffers, part.buffer_keys) if not any(k in sd for sd in sds)),
-                               aliases=_aliases(part, sds))
+    part = dataclasses.replace(
+        part,
+        unstored_buffers=tuple(b for b, k in zip(part.buffers, part.buffer_keys) if not any(k in sd for sd in sds)),
+        aliases=_aliases(part, sds),
+    )
     for r, sd in enumerate(sds):
         for name in part.stored_buffers:
             if name not in sd:
-                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} stored by other ranks, not this one")
+                raise CheckpointError(
+                    f"{files.paths[r]} [{spec.label}]: buffer {name!r} stored by other ranks, not this one"
+                )
         for inst, fp in part.flat_params():
             ref = sd[inst.local_key(fp)]
             if ref.dtype != fp.dtype:
-                raise CheckpointError(
-                    f"{files.paths[r]}: {inst.local_key(fp)} is {ref.dtype}, rank 0 has {fp.dtype}"
-                )
+                raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is {ref.dtype}, rank 0 has {fp.dtype}")
             if ref.shape != fp.local_shape(len(objs)) and not inst.no_broadcast_optim_state:
                 raise CheckpointError(
                     f"{files.paths[r]}: {inst.local_key(fp)} has shape {list(ref.shape)}, "
@@ -186,9 +215,11 @@ def _part_layout(files: ShardFiles, objs: List[Any], spec: PartSpec) -> Part:
                 raise CheckpointError(f"{files.paths[r]}: {inst.local_key(fp)} is not stored contiguously")
         for name in part.stored_buffers:
             if (sd[name].shape, sd[name].dtype) != (sds[0][name].shape, sds[0][name].dtype):
-                raise CheckpointError(f"{files.paths[r]} [{spec.label}]: buffer {name!r} is {sd[name].dtype} "
-                                      f"{list(sd[name].shape)}, rank 0 has {sds[0][name].dtype} "
-                                      f"{list(sds[0][name].shape)}")
+                raise CheckpointError(
+                    f"{files.paths[r]} [{spec.label}]: buffer {name!r} is {sd[name].dtype} "
+                    f"{list(sd[name].shape)}, rank 0 has {sds[0][name].dtype} "
+                    f"{list(sds[0][name].shape)}"
+                )
     check_padding_zero(part, sds, files.paths)
     return part
 
@@ -226,7 +257,8 @@ def check_padding_zero(part: Part, sds: List[Mapping[str, TensorRef]], paths: Tu
                     raise CheckpointError(
                         f"{paths[r]} [{part.label}]: {inst.local_key(fp)}: its last {pad} elements are padding "
                         "by the metadata but hold values: the metadata's names, shapes or padding do not "
-                        "describe this data")
+                        "describe this data"
+                    )
         finally:
             if fd is not None:
                 os.close(fd)

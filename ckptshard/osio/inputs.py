@@ -11,6 +11,7 @@ would block forever, ``/dev/zero`` never ends) and, inside
 it before it renames an output into place, so an output is only ever
 published from files that did not change while it was written.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,13 @@ from ..errors import CheckpointError
 T = TypeVar("T")
 FileState = Tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
 
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 # One dict per active watch (innermost last); reads outside any watch are checked, not recorded.
 _watches: List[Dict[str, FileState]] = []
@@ -56,8 +62,10 @@ def input_file(path: str) -> os.stat_result:
 
 
 def _changed(path: str) -> CheckpointError:
-    return CheckpointError(f"{path}: changed while ckptshard was reading it (is a job still writing it?); "
-                           "nothing was written: run again once the checkpoint is complete")
+    return CheckpointError(
+        f"{path}: changed while ckptshard was reading it (is a job still writing it?); "
+        "nothing was written: run again once the checkpoint is complete"
+    )
 
 
 def check_inputs_unchanged() -> None:

@@ -1,4 +1,5 @@
 """Small helpers over nested dict/list/tuple trees (checkpoint objects)."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence, Tuple, Union

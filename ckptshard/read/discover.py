@@ -1,4 +1,5 @@
 """Find the per-rank files of one sharded checkpoint from what the user named."""
+
 from __future__ import annotations
 
 import os
@@ -7,9 +8,10 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError
-from .inputs import input_file
-from .pickle_reader import Unsupported, read_torch_file
+from ..formats.torch_pickle import Unsupported
+from ..osio.inputs import input_file
 from .safe_load import safe_globals
+from .torch_file import read_torch_file
 
 # "...shard3.pt", "..._shard3.torch", "...-shard03.pt", "..._shard_3.pt": the rank follows "shard".
 _SHARD_RE = re.compile(r"^(?P<head>.*shard[-_]?)(?P<rank>\d+)(?P<tail>\.[A-Za-z0-9]+)$")
@@ -28,8 +30,9 @@ class ShardFiles:
         return f"{self.head}{rank}{self.tail}"
 
 
-def _group(names: List[str], patterns: Tuple["re.Pattern[str]", ...] = (_SHARD_RE, _RANK_RE)
-           ) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
+def _group(
+    names: List[str], patterns: Tuple[re.Pattern[str], ...] = (_SHARD_RE, _RANK_RE)
+) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
     """Shard names by (head, tail), then rank; the first pattern any name matches decides."""
     for pattern in patterns:
         groups: Dict[Tuple[str, str], Dict[int, List[str]]] = {}
@@ -40,8 +43,6 @@ def _group(names: List[str], patterns: Tuple["re.Pattern[str]", ...] = (_SHARD_R
         if groups:
             return groups
     return {}
-
-
 
 
 def _ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[str]]) -> Tuple[str, ...]:
@@ -100,16 +101,22 @@ def find_shards(src: str) -> ShardFiles:
     if os.path.isdir(src):
         groups = _group(sorted(os.listdir(src)))
         if not groups:
-            raise CheckpointError(f"{src}: no shard files (names like checkpoint-shard0.pt or model_rank0.pt) in this folder")
+            raise CheckpointError(
+                f"{src}: no shard files (names like checkpoint-shard0.pt or model_rank0.pt) in this folder"
+            )
         if len(groups) > 1:
             names = ", ".join(f"{h}*{t}" for h, t in sorted(groups))
-            meta = [f"{h}*{t}" for (h, t), by_rank in sorted(groups.items())
-                    if _metadata_only(os.path.join(src, by_rank[min(by_rank)][0]))]
+            meta = [
+                f"{h}*{t}"
+                for (h, t), by_rank in sorted(groups.items())
+                if _metadata_only(os.path.join(src, by_rank[min(by_rank)][0]))
+            ]
             if meta and len(meta) < len(groups):
                 raise CheckpointError(
                     f"{src}: FSDP metadata is saved apart from the weights ({', '.join(meta)} among {names}); "
                     "ckptshard reads one file per rank holding both: re-save each rank's pair as "
-                    "{'model': weights, 'fsdp_metadata': metadata}")
+                    "{'model': weights, 'fsdp_metadata': metadata}"
+                )
             raise CheckpointError(f"{src}: holds several checkpoints ({names}): name one shard file instead")
         (head, tail), by_rank = next(iter(groups.items()))
         return ShardFiles(_ranks_to_paths(src, head, tail, by_rank), head, tail)

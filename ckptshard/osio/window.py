@@ -1,9 +1,15 @@
-"""A read-only window onto part of an open file, as a seekable file object."""
+"""Windows onto files: a read-only part of an open file as a file object, and when to map one."""
+
 from __future__ import annotations
 
 import io
 import os
 from typing import Any
+
+# Runs below this are read and written through memory, not mapped: mapping a window costs an mmap, a
+# munmap and, with threads, the mapping lock and TLB shootdowns per run, and copy_file_range of a few
+# KiB costs several times a pread and a pwrite.
+MAP_MIN = 256 << 10
 
 
 class FileWindow(io.RawIOBase):

@@ -1,94 +1,31 @@
-"""Write tensors into output files from byte ranges of source files.
+"""Write planned tensors (:class:`~ckptshard.tensors.Fill`) into output files from byte ranges of source files.
 
-A :class:`Fill` is an output tensor described by where its elements come
-from. Same-dtype runs are copied file to file by the kernel
+Same-dtype runs are copied file to file by the kernel
 (``os.copy_file_range``, or ``pwrite`` from a mapped window of the source
 where the two offsets are not page-aligned alike), so memory stays flat
 whatever the size; runs that change dtype go through a bounded buffer.
 Elements no source covers are padding and stay zero (outputs are
 pre-sized, and unwritten bytes of a file read as zero).
 """
+
 from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from ..dtypes import dtype_name, to_torch
 from ..errors import CheckpointError
-from .safe_load import TensorRef
+from ..osio.window import MAP_MIN
+from ..read.tensor_data import read_flat
+from ..tensors import Fill, Progress, Source
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 BLOCK = 64 * 1024 * 1024
 MAPPED_WINDOW = 8 << 20  # 32 MiB windows were no faster
-# Below this a run is read and written through memory: mapping a window costs an mmap, a munmap and,
-# with threads, the mapping lock and TLB shootdowns per run, and copy_file_range of a few KiB costs
-# several times a pread and a pwrite.
-MAP_MIN = 256 << 10
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map a window's pages at once, not a fault at a time
-
-
-@dataclass(frozen=True)
-class Source:
-    ref: TensorRef
-    src_start: int  # element offset in the (flattened) source tensor
-    dst_start: int  # element offset in the output tensor
-    length: int
-
-
-@dataclass(frozen=True, eq=False)
-class Fill:
-    """An output tensor: shape, dtype and the sources of its elements.
-
-    Identity matters: the same Fill in two places of an output tree is one
-    tensor stored once (tied parameters in ``torch.save`` outputs).
-    """
-
-    shape: Tuple[int, ...]
-    dtype: Any  # torch.dtype, or StoredDType (see ckptshard.dtypes)
-    sources: Tuple[Source, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-def whole(ref: TensorRef) -> Fill:
-    """A Fill that copies one stored tensor as it is."""
-    return Fill(ref.shape, ref.dtype, (Source(ref, 0, 0, ref.numel),))
-
-
-def as_fill(x: "TensorRef | Fill") -> Fill:
-    """A stored tensor or a planned one, as a Fill."""
-    return x if isinstance(x, Fill) else whole(x)
-
-
-def is_tensor(x: object) -> bool:
-    """A stored (TensorRef) or planned (Fill) tensor."""
-    return isinstance(x, (TensorRef, Fill))
-
-
-def sources_in(fill: Fill, start: int, stop: int, dst_start: int = 0) -> Tuple[Source, ...]:
-    """The sources of elements ``[start, stop)`` of ``fill``, re-based to ``dst_start``."""
-    out = []
-    for s in fill.sources:
-        lo, hi = max(start, s.dst_start), min(stop, s.dst_start + s.length)
-        if lo < hi:
-            out.append(Source(s.ref, s.src_start + lo - s.dst_start, dst_start + lo - start, hi - lo))
-    return tuple(out)
-
-
-Progress = Callable[[int], None]
 
 
 def _plain_copy(s: Source, dtype: str) -> bool:
@@ -119,7 +56,7 @@ class Copier:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "Copier":
+    def __enter__(self) -> Copier:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -151,7 +88,8 @@ class Copier:
         return all(s.length == 0 or _plain_copy(s, name) for s in fill.sources)
 
     def fill_memory(self, out: memoryview, fill: Fill) -> None:
-        """Read ``fill``'s bytes into ``out`` (its size), each run straight into its place; :meth:`copies_only` fills."""
+        """Read ``fill``'s bytes into ``out`` (its size), each run straight into its place (for
+        :meth:`copies_only` fills)."""
         isz = fill.dtype.itemsize
         for s in fill.sources:
             if s.length == 0:
@@ -210,8 +148,7 @@ class Copier:
             base = src_off - src_off % mmap.ALLOCATIONGRANULARITY
             size = min(n, MAPPED_WINDOW - (src_off - base))
             try:
-                window = mmap.mmap(fd, src_off - base + size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ,
-                                   offset=base)
+                window = mmap.mmap(fd, src_off - base + size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ, offset=base)
             except (OSError, ValueError):  # a file system that cannot map: copy_file_range or reads instead
                 return False
             try:
@@ -231,35 +168,5 @@ class Copier:
         step = max(1, BLOCK // max(isz, s.ref.itemsize))
         for a in range(0, s.length, step):
             n = min(step, s.length - a)
-            data = s.ref.read_flat(s.src_start + a, s.src_start + a + n).to(dtype)
+            data = read_flat(s.ref, s.src_start + a, s.src_start + a + n).to(dtype)
             os.pwrite(out_fd, data.view(torch.uint8).numpy().tobytes(), out_offset + (s.dst_start + a) * isz)
-
-
-def read_fill(fill: Fill) -> "torch.Tensor":
-    """The Fill as an in-memory tensor (for loading into a live model)."""
-    import torch
-
-    dtype = to_torch(fill.dtype)
-    out = torch.zeros(fill.numel, dtype=dtype)
-    for s in fill.sources:
-        if s.length:
-            out[s.dst_start : s.dst_start + s.length] = s.ref.read_flat(s.src_start, s.src_start + s.length).to(dtype)
-    return out.view(fill.shape)
-
-
-def materialize(tree: object) -> object:
-    """Every Fill of a tree read into memory; a Fill used twice becomes one tensor (ties)."""
-    from .tree import map_leaves
-
-    memo: Dict[int, Any] = {}
-
-    def one(leaf: object) -> object:
-        if isinstance(leaf, Fill):
-            if id(leaf) not in memo:
-                memo[id(leaf)] = read_fill(leaf)
-            return memo[id(leaf)]
-        if isinstance(leaf, TensorRef):
-            return leaf.read()
-        return leaf
-
-    return map_leaves(tree, one)

@@ -3,6 +3,7 @@
 A container says where, inside one rank's file, each part's local state
 dict, its metadata and the optimizer state live, and how its files are named.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from ..errors import CheckpointError
 from ..layout.model import join, state_dict_name
-from .safe_load import TensorRef
-from .tree import Path, get_path, has_path
+from ..tensors import TensorRef
+from ..tree import Path, get_path, has_path
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def detect(obj: Any, where: str) -> Container:
     """
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{where}: not a checkpoint: holds a {type(obj).__name__}, not a dict")
-    keys = sorted(str(k) for k in obj.keys())
+    keys = sorted(str(k) for k in obj)
     if obj.get("type") == "shard_list":
         raise CheckpointError(f"{where}: a VISSL shard_list file: open it as the source, not as a shard")
     if "classy_state_dict" in obj:
@@ -174,8 +175,7 @@ def _generic(obj: Mapping[str, Any], where: str) -> Optional[Container]:
     if len({w for w, _ in parts}) < len(parts):
         raise CheckpointError(f"{where}: several FSDP metadata dicts describe the same state dict")
     specs = tuple(
-        PartSpec("model", "", w, m) if len(parts) == 1 else PartSpec(_dotted(w), f"{w[-1]}.", w, m)
-        for w, m in parts
+        PartSpec("model", "", w, m) if len(parts) == 1 else PartSpec(_dotted(w), f"{w[-1]}.", w, m) for w, m in parts
     )
     if len(parts) > 1 and len({s.prefix for s in specs}) < len(specs):
         raise CheckpointError(f"{where}: several FSDP state dicts with the same name: {[s.label for s in specs]}")
@@ -214,12 +214,12 @@ def _vissl(obj: Mapping[str, Any], where: str) -> Container:
     for j in range(len(heads)):
         if len(meta.get("heads", [])) <= j or not _is_metadata(meta["heads"][j]):
             raise CheckpointError(f"{where}: VISSL head {j} has no FSDP metadata")
-        parts.append(
-            PartSpec(f"heads.{j}", f"heads.{j}.", base + ("model", "heads", j), base + ("meta", "heads", j))
-        )
+        parts.append(PartSpec(f"heads.{j}", f"heads.{j}.", base + ("model", "heads", j), base + ("meta", "heads", j)))
     if not parts:
         raise CheckpointError(f"{where}: VISSL checkpoint with neither trunk nor heads")
-    return Container(kind="vissl", parts=tuple(parts), optimizer=_find_optimizer(obj, ("classy_state_dict", "optimizer")))
+    return Container(
+        kind="vissl", parts=tuple(parts), optimizer=_find_optimizer(obj, ("classy_state_dict", "optimizer"))
+    )
 
 
 def container_summary(c: Container) -> Dict[str, Any]:

@@ -1,18 +1,19 @@
 """Read a full (unsharded) state dict lazily: torch.save or safetensors."""
+
 from __future__ import annotations
 
 import json
 import os
 import struct
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping
 
-from ..dtypes import SAFETENSORS_CODE, StoredDType, to_torch
+from ..dtypes import StoredDType, to_torch
 from ..errors import CheckpointError
+from ..formats.safetensors import INDEX_JSON, header_entry
 from ..layout.boxes import strides
-from .inputs import input_file
-from .safe_load import TensorRef, load_lazy
-
-_DTYPE_OF_CODE = {code: name for name, code in SAFETENSORS_CODE.items()}
+from ..osio.inputs import input_file
+from ..tensors import TensorRef
+from .safe_load import load_lazy
 
 
 def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef]:
@@ -38,7 +39,7 @@ def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end, shape, dtype_name = _entry(info)
+        begin, end, shape, dtype_name = header_entry(info)
         if dtype_name is None:
             raise CheckpointError(f"{path}: {name}: malformed header entry (wants dtype, shape, data_offsets)")
         dtype = StoredDType(dtype_name) if torch_free else to_torch(StoredDType(dtype_name))
@@ -49,23 +50,8 @@ def safetensors_refs(path: str, torch_free: bool = False) -> Dict[str, TensorRef
     return out
 
 
-def _entry(info: Any) -> Tuple[int, int, Tuple[int, ...], Optional[str]]:
-    """(begin, end, shape, dtype name) of one header entry; dtype None where the entry is malformed."""
-    try:
-        begin, end = (int(x) for x in info["data_offsets"])
-        shape = tuple(int(s) for s in info["shape"])
-        if any(s < 0 for s in shape):
-            raise ValueError
-        return begin, end, shape, _DTYPE_OF_CODE.get(info["dtype"])
-    except (KeyError, TypeError, ValueError):
-        return 0, 0, (), None
-
-
-INDEX = "model.safetensors.index.json"
-
-
 def index_refs(folder: str, torch_free: bool = False) -> Dict[str, TensorRef]:
-    where = os.path.join(folder, INDEX)
+    where = os.path.join(folder, INDEX_JSON)
     try:
         with open(where) as f:
             index = json.load(f)
@@ -93,7 +79,7 @@ def full_state_refs(path: str, trust_pickles: bool = False, torch_free: bool = F
     torch.save file the torch-free reader refuses still goes through torch.
     """
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, INDEX)):
+        if not os.path.isfile(os.path.join(path, INDEX_JSON)):
             raise CheckpointError(f"{path}: a folder without model.safetensors.index.json")
         return index_refs(path, torch_free)
     if path.endswith(".safetensors"):

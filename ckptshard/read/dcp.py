@@ -10,6 +10,7 @@ frame the reader refuses) sends the whole folder through torch's classes and
 ``CKPTSHARD_TORCH_READER=1`` forces that. Writing is in :mod:`.dcp_write`
 (no torch there either).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,15 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..dtypes import ITEMSIZE, Size, StoredDType, dtype_name
 from ..errors import CheckpointError
-from ..layout.boxes import box_runs, numel
-from ..plan.dcp import unflatten_state_dict
-from .dcp_write import METADATA, is_dcp  # noqa: F401 (is_dcp: part of this module's reading API)
-from .fill import Fill, Source, as_fill
-from .inputs import input_file
-from .pickle_reader import Unsupported, read_torch_zip, torch_free_allowed
-from .safe_load import TensorRef, _to_refs, safe_torch_load
-from .window import FileWindow
+from ..formats.dcp_metadata import METADATA
+from ..formats.dcp_state import unflatten_state_dict
+from ..formats.torch_pickle import Unsupported
+from ..layout.boxes import box_runs
+from ..osio.inputs import input_file
+from ..osio.window import FileWindow
+from ..tensors import Fill, Source, TensorRef, as_fill, numel
+from .safe_load import meta_tensors_to_refs, safe_torch_load
+from .torch_file import read_torch_zip, torch_free_allowed
 
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -55,10 +57,15 @@ class _Record:
 _RECORDS: Dict[Tuple[str, str], type] = {
     (module, name): type(name, (_Record,), {"_TUPLE_STATE": fields})
     for module, name, fields in (
-        (_META, "Metadata", ()), (_META, "TensorStorageMetadata", ()), (_META, "BytesStorageMetadata", ()),
-        (_META, "ChunkStorageMetadata", ()), (_META, "MetadataIndex", ()), (_META, "StorageMeta", ()),
+        (_META, "Metadata", ()),
+        (_META, "TensorStorageMetadata", ()),
+        (_META, "BytesStorageMetadata", ()),
+        (_META, "ChunkStorageMetadata", ()),
+        (_META, "MetadataIndex", ()),
+        (_META, "StorageMeta", ()),
         (_META, "TensorProperties", ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")),
-        (_FS, "_StorageInfo", ()), (_FS, "_StoragePrefix", ()),
+        (_FS, "_StorageInfo", ()),
+        (_FS, "_StoragePrefix", ()),
     )
 }
 _STAND_IN_FUNCTIONS: Dict[Tuple[str, str], Callable[..., Any]] = {
@@ -70,8 +77,13 @@ _STAND_IN_FUNCTIONS: Dict[Tuple[str, str], Callable[..., Any]] = {
 
 # Plain Python classes .metadata may hold (planner data, paths); both unpicklers admit them.
 _SAFE_BUILTINS = {
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -111,17 +123,15 @@ def dcp_metadata(folder: str, trust_pickles: bool = False) -> Any:
     return read_metadata(folder, trust_pickles)
 
 
-_METADATA_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", n)
-    for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-              "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch.distributed.checkpoint.planner", "_Checkpointable"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # how torch.layout pickles: a lookup by name
-} | _SAFE_BUILTINS
+# torch's own classes for what the stand-ins stand in for, and what only torch reads.
+_METADATA_GLOBALS = (
+    set(_RECORDS)
+    | set(_STAND_IN_FUNCTIONS)
+    | _SAFE_BUILTINS
+    | {
+        ("torch.distributed.checkpoint.planner", "_Checkpointable"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -136,7 +146,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise CheckpointError(
             f"{self.where}: refused to unpickle {module}.{name} (safe loading); "
@@ -182,7 +194,9 @@ def _frame_with_torch(trust_pickles: bool) -> ReadFrame:
     def read(path: str, offset: int, length: int, where: str) -> Any:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return _to_refs(path, safe_torch_load(FileWindow(fd, offset, length), where, trust_pickles), offset)
+            return meta_tensors_to_refs(
+                path, safe_torch_load(FileWindow(fd, offset, length), where, trust_pickles), offset
+            )
         finally:
             os.close(fd)
 
@@ -198,14 +212,18 @@ def _index_key(idx: Any) -> Tuple[str, Optional[Tuple[int, ...]]]:
 def _chunk(folder: str, info: Any, read: ReadFrame, where: str, sizes: Dict[str, int]) -> Any:
     """One chunk's frame; ``sizes`` caches each data file's size (one stat per file, not per chunk)."""
     if getattr(info, "transform_descriptors", None):
-        raise CheckpointError(f"{where}: stored with stream transforms {list(info.transform_descriptors)}: not supported")
+        raise CheckpointError(
+            f"{where}: stored with stream transforms {list(info.transform_descriptors)}: not supported"
+        )
     path = os.path.join(folder, info.relative_path)
     if path not in sizes:
         if not os.path.lexists(path):
             raise CheckpointError(f"{where}: data file {info.relative_path} is missing")
         sizes[path] = input_file(path).st_size
     if info.offset + info.length > sizes[path]:
-        raise CheckpointError(f"{where}: {info.relative_path} ends before byte {info.offset + info.length} (truncated?)")
+        raise CheckpointError(
+            f"{where}: {info.relative_path} ends before byte {info.offset + info.length} (truncated?)"
+        )
     return read(path, int(info.offset), int(info.length), f"{where} in {info.relative_path}")
 
 
@@ -230,9 +248,14 @@ def _open(folder: str, meta: Any, read: ReadFrame) -> DcpCheckpoint:
             if info is None:
                 raise CheckpointError(f"{folder}: {name}: chunk at {list(offsets)} has no storage entry")
             ref = _chunk(folder, info, read, name, file_sizes)
-            if not isinstance(ref, TensorRef) or tuple(ref.shape) != sizes or dtype_name(ref.dtype) != dtype_name(dtype):
-                raise CheckpointError(f"{folder}: {name}: chunk at {list(offsets)} does not hold a "
-                                      f"{dtype} tensor of {list(sizes)}")
+            if (
+                not isinstance(ref, TensorRef)
+                or tuple(ref.shape) != sizes
+                or dtype_name(ref.dtype) != dtype_name(dtype)
+            ):
+                raise CheckpointError(
+                    f"{folder}: {name}: chunk at {list(offsets)} does not hold a {dtype} tensor of {list(sizes)}"
+                )
             for tstart, bstart, n in box_runs(shape, offsets, sizes):
                 sources.append(Source(ref, bstart, tstart, n))
             covered += numel(sizes)
@@ -243,6 +266,11 @@ def _open(folder: str, meta: Any, read: ReadFrame) -> DcpCheckpoint:
     tree = unflatten_state_dict(flat, planner) if isinstance(planner, Mapping) and planner else flat
     files = sorted({info.relative_path for info in meta.storage_data.values()}) + [METADATA]
     return DcpCheckpoint(folder, tree, files, torch_free=read is _frame_torch_free)
+
+
+def is_dcp(path: str) -> bool:
+    """A folder holding DCP's ``.metadata``."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
 def open_dcp(folder: str, trust_pickles: bool = False) -> DcpCheckpoint:

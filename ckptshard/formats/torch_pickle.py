@@ -1,13 +1,15 @@
-"""Read a ``torch.save`` file's pickle without importing torch.
+"""torch.save's pickles, read without importing torch: the restricted unpickler and its checks.
 
-Importing torch costs 1.5-2.5 s here, more than copying a 2 GiB checkpoint;
-``consolidate -> safetensors`` needs torch for nothing else. This reader
-unpickles ``data.pkl`` with an allow-list smaller than torch's
-``weights_only`` one and turns every tensor into a :class:`TensorRef` whose
-dtype is a :class:`StoredDType`. Anything outside the list (numpy values,
-tensor subclasses, big-endian files, compressed entries...) raises
-:class:`Unsupported`, and the caller falls back to ``torch.load``: this is a
-fast path, never a second opinion on what a file means.
+Importing torch costs seconds, more than copying a 2 GiB checkpoint;
+``consolidate -> safetensors`` needs torch for nothing else. The unpickler
+here takes an allow-list smaller than torch's ``weights_only`` one and
+turns every tensor into a :class:`~ckptshard.tensors.TensorRef` whose dtype is a
+:class:`~ckptshard.dtypes.StoredDType`. Anything outside the list (numpy
+values, tensor subclasses, big-endian files...) raises :class:`Unsupported`,
+and the caller falls back to ``torch.load``: this is a fast path, never a
+second opinion on what a file means. What neither reader should accept
+(duplicate or compressed zip records, absurd nesting) is a
+:class:`~ckptshard.errors.CheckpointError` here, for both.
 
 Both of torch.save's formats are read: the zip (torch >= 1.6) and the
 legacy stream (``_use_new_zipfile_serialization=False``: magic number,
@@ -16,34 +18,27 @@ keys, then each storage as an 8-byte element count and its bytes). For the
 legacy one the storages' offsets follow from the counts, so it is read as
 lazily as a zip; torch itself can only load it whole (no ``mmap``).
 """
+
 from __future__ import annotations
 
 import argparse
 import codecs
 import collections
 import io
-import os
 import pickle
 import struct
 import zipfile
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
 from ..errors import CheckpointError
-from .inputs import input_file
-from .safe_load import TensorRef
-from .tree import map_leaves
-from .window import FileWindow
-from .zip_crc import data_start
+from ..tensors import TensorRef
+from ..tree import map_leaves
+from .zip_records import data_start
 
 
 class Unsupported(Exception):
     """The file uses something this reader does not handle: use torch.load."""
-
-
-def torch_free_allowed() -> bool:
-    """False where ``CKPTSHARD_TORCH_READER=1`` sends every read through torch."""
-    return not os.environ.get("CKPTSHARD_TORCH_READER")
 
 
 class _StorageType:
@@ -65,8 +60,15 @@ class _Tensor:
         self.storage, self.offset, self.shape, self.stride = storage, offset, shape, stride
 
 
-def _rebuild_tensor_v2(storage: _Storage, storage_offset: int, size: Tuple[int, ...], stride: Tuple[int, ...],
-                       requires_grad: bool, backward_hooks: Any, metadata: Any = None) -> _Tensor:
+def _rebuild_tensor_v2(
+    storage: _Storage,
+    storage_offset: int,
+    size: Tuple[int, ...],
+    stride: Tuple[int, ...],
+    requires_grad: bool,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> _Tensor:
     if metadata or not isinstance(storage, _Storage):
         raise Unsupported("tensor with metadata, or not over a typed storage")
     return _Tensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
@@ -106,8 +108,9 @@ _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.i
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False,
-                 trusted: bool = False) -> None:
+    def __init__(
+        self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False, trusted: bool = False
+    ) -> None:
         super().__init__(f)
         self._storage = storage
         self._legacy = legacy
@@ -126,8 +129,13 @@ class _Unpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         # zip: ("storage", type, key, location, numel); legacy adds view metadata (None unless a view)
         size = 6 if self._legacy else 5
-        if not (isinstance(pid, tuple) and len(pid) == size and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and (not self._legacy or pid[5] is None)):
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == size
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and (not self._legacy or pid[5] is None)
+        ):
             raise Unsupported(f"persistent id {pid!r:.80}")
         storage = self._storage(str(pid[2]), pid[1].dtype)
         if self._legacy:
@@ -135,11 +143,12 @@ class _Unpickler(pickle.Unpickler):
         return storage
 
 
-def _to_refs(path: str, obj: Any) -> Any:
+def to_refs(path: str, obj: Any) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, _Tensor):
-            ref = TensorRef(path, x.storage.offset + x.offset * x.storage.dtype.itemsize, x.storage.dtype, x.shape,
-                            x.stride)
+            ref = TensorRef(
+                path, x.storage.offset + x.offset * x.storage.dtype.itemsize, x.storage.dtype, x.shape, x.stride
+            )
             span = (x.offset + 1 + sum((s - 1) * st for s, st in zip(x.shape, x.stride))) * x.storage.dtype.itemsize
             if ref.numel and span > x.storage.nbytes:
                 raise Unsupported("tensor larger than its storage")
@@ -149,29 +158,6 @@ def _to_refs(path: str, obj: Any) -> Any:
         return x
 
     return map_leaves(obj, leaf)
-
-
-def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None) -> Any:
-    """Unpickle ``path`` (zip-format torch.save) without torch; tensors become TensorRefs.
-
-    ``offset``/``length``: the zip is that part of the file (a DCP chunk);
-    TensorRefs still point into ``path``. Raises :class:`Unsupported` for
-    anything it does not handle, including damaged files: the caller then
-    uses torch.load, whose errors say why.
-    """
-    try:
-        with open(path, "rb") as f:
-            raw: Any = f if offset == 0 and length is None else FileWindow(
-                f.fileno(), offset, os.fstat(f.fileno()).st_size - offset if length is None else length)
-            with zipfile.ZipFile(raw) as zf:
-                check_zip_records(zf, path)
-                obj = _read_zip(zf, raw, offset)
-    except (Unsupported, CheckpointError):
-        raise
-    except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong
-        raise Unsupported(f"{type(e).__name__}: {e}") from None
-    check_depth(obj, path)
-    return _to_refs(path, obj)
 
 
 MAX_DEPTH = 100  # containers nested deeper are refused: no real checkpoint comes near, and writing them back
@@ -187,8 +173,10 @@ def check_zip_records(zf: zipfile.ZipFile, where: str) -> None:
         raise CheckpointError(f"{where}: the zip holds two records named {dup!r}: damaged or crafted, not read")
     packed = next((i.filename for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED), None)
     if packed is not None:
-        raise CheckpointError(f"{where}: zip record {packed!r} is compressed, which torch.save never does: "
-                              "unzip and re-save the checkpoint with torch.save")
+        raise CheckpointError(
+            f"{where}: zip record {packed!r} is compressed, which torch.save never does: "
+            "unzip and re-save the checkpoint with torch.save"
+        )
 
 
 MAX_NODES = 10_000_000  # containers and leaves, counting a shared one at each place it appears
@@ -215,7 +203,7 @@ def check_depth(obj: Any, where: str, limit: int = MAX_DEPTH) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
-def _read_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
+def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
     """The object of an open torch.save zip; storages' offsets are ``base`` + their place in ``raw``."""
     pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -247,58 +235,46 @@ _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
 
-def read_torch_legacy(path: str, trusted: bool = False) -> Any:
-    """Unpickle ``path`` (legacy, non-zip torch.save) without torch; tensors become TensorRefs.
+def unpickle_legacy(f: BinaryIO, end: int, trusted: bool = False) -> Any:
+    """The object of a legacy (non-zip) torch.save stream ``f`` of ``end`` bytes; storages' offsets in ``f``.
 
     ``trusted`` (--trust-pickles): any other global is imported, as torch.load would; it can run code.
     """
-    try:
-        with open(path, "rb") as f:
-            def plain() -> Any:  # the small pickles around the object: no globals, no storages
-                return _Unpickler(f, _no_storage, legacy=True).load()
 
-            if plain() != _LEGACY_MAGIC or plain() != _LEGACY_PROTOCOL:
-                raise Unsupported("not a torch.save file")
-            info = plain()
-            if not isinstance(info, dict) or info.get("little_endian") is not True:
-                raise Unsupported("big-endian data")
-            seen: Dict[str, _Storage] = {}
+    def plain() -> Any:  # the small pickles around the object: no globals, no storages
+        return _Unpickler(f, _no_storage, legacy=True).load()
 
-            def storage(key: str, dtype: StoredDType) -> _Storage:
-                if key not in seen:
-                    seen[key] = _Storage(dtype, -1, 0)
-                if seen[key].dtype != dtype:
-                    raise Unsupported("one storage read as two dtypes")
-                return seen[key]
+    if plain() != _LEGACY_MAGIC or plain() != _LEGACY_PROTOCOL:
+        raise Unsupported("not a torch.save file")
+    info = plain()
+    if not isinstance(info, dict) or info.get("little_endian") is not True:
+        raise Unsupported("big-endian data")
+    seen: Dict[str, _Storage] = {}
 
-            obj = _Unpickler(f, storage, legacy=True, trusted=trusted).load()
-            keys = plain()
-            if not isinstance(keys, list) or set(keys) != set(seen):
-                raise Unsupported("storage keys do not match the pickle")
-            pos, end = f.tell(), os.fstat(f.fileno()).st_size
-            for key in keys:  # each: int64 element count, then the bytes
-                st = seen[key]
-                f.seek(pos)
-                head = f.read(8)
-                if len(head) != 8 or struct.unpack("<q", head)[0] * st.dtype.itemsize != st.nbytes:
-                    raise Unsupported(f"storage {key}: size does not match the pickle")
-                st.offset = pos + 8
-                pos = st.offset + st.nbytes
-            if pos > end:
-                raise Unsupported("truncated")
-    except Unsupported:
-        raise
-    except Exception as e:  # damaged file: say what is wrong
-        raise Unsupported(f"{type(e).__name__}: {e}") from None
-    check_depth(obj, path)
-    return _to_refs(path, obj)
+    def storage(key: str, dtype: StoredDType) -> _Storage:
+        if key not in seen:
+            seen[key] = _Storage(dtype, -1, 0)
+        if seen[key].dtype != dtype:
+            raise Unsupported("one storage read as two dtypes")
+        return seen[key]
+
+    obj = _Unpickler(f, storage, legacy=True, trusted=trusted).load()
+    keys = plain()
+    if not isinstance(keys, list) or set(keys) != set(seen):
+        raise Unsupported("storage keys do not match the pickle")
+    pos = f.tell()
+    for key in keys:  # each: int64 element count, then the bytes
+        st = seen[key]
+        f.seek(pos)
+        head = f.read(8)
+        if len(head) != 8 or struct.unpack("<q", head)[0] * st.dtype.itemsize != st.nbytes:
+            raise Unsupported(f"storage {key}: size does not match the pickle")
+        st.offset = pos + 8
+        pos = st.offset + st.nbytes
+    if pos > end:
+        raise Unsupported("truncated")
+    return obj
 
 
 def _no_storage(key: str, dtype: StoredDType) -> _Storage:
     raise Unsupported("a storage outside the object's pickle")
-
-
-def read_torch_file(path: str) -> Any:
-    """:func:`read_torch_zip` or :func:`read_torch_legacy`, whichever format ``path`` is in."""
-    input_file(path)
-    return read_torch_zip(path) if zipfile.is_zipfile(path) else read_torch_legacy(path)

@@ -5,6 +5,7 @@ and fsynced, and renamed into place only once complete. Any exception,
 SIGINT or SIGTERM on the way removes the temporary, so an interrupted run
 leaves nothing that looks like a finished checkpoint.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,8 @@ from typing import Iterator, Optional
 from ..errors import CheckpointError
 from .durability import durable
 from .inputs import check_inputs_unchanged
-from .manifest import check_replaceable, manifest_path_of_file, read_manifest_files
 from .libc import bind
+from .manifest import check_replaceable, manifest_path_of_file, read_manifest_files
 
 
 def open_empty(path: str) -> int:
@@ -67,8 +68,9 @@ def check_output(final: str, overwrite: bool, inputs: tuple = (), is_dir: bool =
     limit = _name_max(parent)
     for c in created:
         if len(os.fsencode(os.path.basename(c))) > limit:
-            raise CheckpointError(f"{final}: the name {os.path.basename(c)!r} is longer than the {limit} bytes "
-                                  f"{parent} allows")
+            raise CheckpointError(
+                f"{final}: the name {os.path.basename(c)!r} is longer than the {limit} bytes {parent} allows"
+            )
     if os.path.lexists(final) and not overwrite:
         raise CheckpointError(f"{final}: exists; pass --overwrite to replace it")
     if os.path.lexists(final):
@@ -94,9 +96,7 @@ def check_space(final: str, nbytes: int) -> None:
     free = st.f_bavail * st.f_frsize
     need = int(nbytes * 1.01) + (16 << 20)
     if free < need:
-        raise CheckpointError(
-            f"{final}: needs {need / 2**30:.2f} GiB but {parent} has {free / 2**30:.2f} GiB free"
-        )
+        raise CheckpointError(f"{final}: needs {need / 2**30:.2f} GiB but {parent} has {free / 2**30:.2f} GiB free")
 
 
 def fsync_path(path: str) -> None:
@@ -177,8 +177,11 @@ def _leftovers(final: str) -> list:
         entries = os.listdir(parent)
     except OSError:
         return []
-    return [os.path.join(parent, e) for e in sorted(entries)
-            if e.startswith(head) and e.endswith((TMP_SUFFIX, OLD_SUFFIX)) and len(e) == len(head) + 12 + 14]
+    return [
+        os.path.join(parent, e)
+        for e in sorted(entries)
+        if e.startswith(head) and e.endswith((TMP_SUFFIX, OLD_SUFFIX)) and len(e) == len(head) + 12 + 14
+    ]
 
 
 def clean_leftovers(final: str) -> None:
@@ -201,10 +204,13 @@ def clean_leftovers(final: str) -> None:
             kept = os.path.join(path, os.path.basename(final))
             if path.endswith(OLD_SUFFIX) and os.path.lexists(kept) and not os.path.lexists(final):
                 os.rename(kept, final)
-                warnings.warn(f"{final}: put back the previous output, which an interrupted --overwrite had set "
-                              f"aside in {os.path.basename(path)}")
+                warnings.warn(
+                    f"{final}: put back the previous output, which an interrupted --overwrite had set "
+                    f"aside in {os.path.basename(path)}",
+                    stacklevel=2,
+                )
             else:
-                warnings.warn(f"removed {path}: left unfinished by an interrupted run")
+                warnings.warn(f"removed {path}: left unfinished by an interrupted run", stacklevel=2)
             _remove(path)
         finally:
             os.close(fd)

@@ -2,11 +2,12 @@
 
 Python's C pickler writes a class as a GLOBAL only if it can import it from
 its module; torch's own names would import torch (1.5-2.5 s). It writes
-these instead (``ckptshard.io.torch_names FloatStorage``), and
+these instead (``ckptshard.formats.torch_names FloatStorage``), and
 :func:`.torch_save.lay_out_zip` renames them in the bytes to torch's
 (``torch FloatStorage``): a protocol-2 GLOBAL is two text lines, with no
 length or offset anywhere that the rename would break.
 """
+
 from __future__ import annotations
 
 from typing import Dict, Tuple

@@ -8,6 +8,7 @@ early writeback, as ``cp`` does: outputs are still written to a temporary
 and renamed only when complete, so an interrupted run leaves nothing; the
 data reaches the disk when the kernel writes it back.
 """
+
 from __future__ import annotations
 
 import os

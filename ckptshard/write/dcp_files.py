@@ -14,35 +14,30 @@ converting 2 GiB here, so nothing on this path imports it (a value the
 torch-free writer does not know, in a non-tensor entry, goes through
 ``torch.save``).
 """
+
 from __future__ import annotations
 
 import functools
 import io
 import os
-import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..dtypes import StoredDType, dtype_name
+from ..formats.dcp_metadata import DCP_VERSION, METADATA, metadata_pickle
+from ..formats.torch_pickle import Unsupported
+from ..formats.torch_save import lay_out_zip, write_zip
+from ..osio.atomic import open_empty
+from ..osio.hashing import Hashes
+from ..osio.zip_crc import crc_of, set_crc
 from ..plan.dcp import Chunk, DcpPlan, TensorEntry
-from .atomic import open_empty
-from .dcp_metadata import metadata_pickle
-from .fill import Copier, Fill, Progress
-from .hashing import Hashes
-from .pickle_reader import Unsupported
-from .torch_save import lay_out_zip, write_zip
-from .zip_crc import crc_of
-
-METADATA = ".metadata"
-DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was written
-
-
-def is_dcp(path: str) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
+from ..tensors import Fill, Progress
+from .copier import Copier
 
 
 @functools.lru_cache(maxsize=4096)
-def tensor_frame(sizes: Tuple[int, ...], dtype_id: str
-                 ) -> Tuple[Tuple[Tuple[int, bytes], ...], int, int, Tuple[int, ...]]:
+def tensor_frame(
+    sizes: Tuple[int, ...], dtype_id: str
+) -> Tuple[Tuple[Tuple[int, bytes], ...], int, int, Tuple[int, ...]]:
     """torch.save's frame for one tensor: (runs of bytes, where its data starts, total length,
     where the data's CRC-32 goes).
 
@@ -56,8 +51,9 @@ def tensor_frame(sizes: Tuple[int, ...], dtype_id: str
     return runs, skeleton.offsets[id(fill)], skeleton.end, crc_at
 
 
-def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress],
-                        path: str, hashes: Optional[Hashes]) -> int:
+def _write_tensor_chunk(
+    fd: int, at: int, chunk: Chunk, copier: Copier, progress: Optional[Progress], path: str, hashes: Optional[Hashes]
+) -> int:
     """One chunk's torch.save frame at byte ``at``, data copied in and its CRC set; returns its length.
 
     With ``hashes`` the CRC is left to the hash pass, which reads the data anyway.
@@ -70,9 +66,7 @@ def _write_tensor_chunk(fd: int, at: int, chunk: Chunk, copier: Copier, progress
             hashes.patch_crc(path, at + data_at, chunk.fill.nbytes, tuple(at + pos for pos in crc_at))
         copier.fill(fd, at + data_at, chunk.fill, progress)
         if not hashes:
-            crc = struct.pack("<I", crc_of(fd, at + data_at, chunk.fill.nbytes, _crc_buffer()))
-            for pos in crc_at:
-                os.pwrite(fd, crc, at + pos)
+            set_crc(fd, crc_of(fd, at + data_at, chunk.fill.nbytes, _crc_buffer()), crc_at, base=at)
     return length
 
 
@@ -124,8 +118,9 @@ def data_files(plan: DcpPlan) -> List[List[Item]]:
     return files
 
 
-def write_data_file(path: str, items: List[Item], copier: Copier, progress: Optional[Progress] = None,
-                    hashes: Optional[Hashes] = None) -> List[Tuple[int, int]]:
+def write_data_file(
+    path: str, items: List[Item], copier: Copier, progress: Optional[Progress] = None, hashes: Optional[Hashes] = None
+) -> List[Tuple[int, int]]:
     """Write one data file, front to back; returns each item's (offset, length)."""
     fd = open_empty(path)
     watch = hashes.watch(path) if hashes else None
@@ -151,7 +146,9 @@ def data_file_names(files: List[List[Item]]) -> List[str]:
     return [f"__{i}_0.distcp" for i in range(len(files))]
 
 
-def write_metadata(folder: str, plan: DcpPlan, files: List[List[Item]], placements: List[List[Tuple[int, int]]]) -> List[str]:
+def write_metadata(
+    folder: str, plan: DcpPlan, files: List[List[Item]], placements: List[List[Tuple[int, int]]]
+) -> List[str]:
     """``.metadata`` once every data file is written: each item's (offset, length) per file."""
     names = data_file_names(files)
     where: Dict[Any, Tuple[str, int, int]] = {}  # id(chunk) or entry name -> (file, offset, length)
@@ -161,8 +158,11 @@ def write_metadata(folder: str, plan: DcpPlan, files: List[List[Item]], placemen
     entries: Dict[str, Any] = {}
     for name, e in plan.entries.items():
         if isinstance(e, TensorEntry):
-            entries[name] = (dtype_name(e.fill.dtype), tuple(e.fill.shape),
-                             [(tuple(c.offsets), tuple(c.sizes), where[id(c)]) for c in e.chunks])
+            entries[name] = (
+                dtype_name(e.fill.dtype),
+                tuple(e.fill.shape),
+                [(tuple(c.offsets), tuple(c.sizes), where[id(c)]) for c in e.chunks],
+            )
         else:
             entries[name] = where[name]
     with open(os.path.join(folder, METADATA), "wb") as f:

@@ -1,15 +1,15 @@
 """Lay out a ``torch.save`` file without importing torch.
 
-The counterpart of ``pickle_reader.py`` for the writers: reshard and
+The counterpart of ``torch_pickle.py`` for the writers: reshard and
 consolidate to ``.pt`` need torch only to lay out the file, and importing it
-costs 1.5-2.5 s here. This writes the same zip that ``torch.save`` writes
+costs seconds. This lays out the same zip that ``torch.save`` writes
 (records ``data.pkl``, ``.format_version``, ``.storage_alignment``,
 ``byteorder``, ``data/<key>``, ``version``, ``.data/serialization_id``;
 data aligned to 64 bytes; sizes and CRC in data descriptors) and a
 protocol-2 pickle made by Python's own pickler, with torch's names
 (``torch._utils._rebuild_tensor_v2``, typed storages, ``torch.Size``)
-written as globals. Tensor data is left as holes for the caller to fill;
-``zip_crc.CrcFixer`` then sets their CRCs.
+written as globals. Tensor data is left as holes for the caller to fill,
+and their CRCs for the hash pass or ``osio/zip_crc.py`` to set. No I/O here.
 
 Only what the torch-free reader produces is written (dicts, lists, tuples,
 strings, numbers, ``argparse.Namespace``, ``Size`` and Fills with
@@ -17,27 +17,26 @@ StoredDTypes); anything else raises :class:`Unsupported` and the caller
 uses torch.save. Past 4 GiB the file is zip64, as torch.save writes it:
 8-byte sizes and offsets in extra fields, data descriptors and end records.
 """
+
 from __future__ import annotations
 
 import argparse
 import collections
 import hashlib
 import io
-import os
 import pickle
 import struct
 import types
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, ClassVar, Dict, List, Set, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, StoredDType
-from .atomic import open_empty, preallocate
-from .fill import Fill
 from ..layout.boxes import strides
-from .pickle_reader import Unsupported
+from ..tensors import Fill
 from . import torch_names
-from .zip_crc import LOCAL_HEADER, LOCAL_SIG
+from .torch_pickle import Unsupported
+from .zip_records import LOCAL_HEADER, LOCAL_SIG
 
 PREFIX = "archive"  # what torch.save names the folder when given a file object
 ALIGN = 64
@@ -50,7 +49,7 @@ _FLAGS = 0x0808  # sizes and CRC in a data descriptor; UTF-8 names (as torch's w
 class _Global:
     """A name written as a pickle GLOBAL, never imported (torch's functions and classes)."""
 
-    _made: Dict[Tuple[str, str], "_Global"] = {}
+    _made: ClassVar[Dict[Tuple[str, str], _Global]] = {}
 
     def __init__(self, module: str, name: str) -> None:
         self.module, self.name = module, name
@@ -59,7 +58,7 @@ class _Global:
         raise AssertionError(f"{self.module}.{self.name} is a name to write, not to call")
 
     @classmethod
-    def of(cls, module: str, name: str) -> "_Global":
+    def of(cls, module: str, name: str) -> _Global:
         return cls._made.setdefault((module, name), cls(module, name))
 
 
@@ -79,7 +78,8 @@ def _check_plain(obj: Any) -> None:
 
 
 def _new_storage(storages: List[_Storage], fill: Fill) -> tuple:
-    """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to ``storages``."""
+    """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to
+    ``storages``."""
     if not isinstance(fill.dtype, StoredDType) or fill.dtype.name not in _CLASS_OF_DTYPE:
         raise Unsupported(f"dtype {fill.dtype}")
     storage = _Storage(str(len(storages)), fill)
@@ -124,8 +124,21 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
         self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"), _new_storage(self.storages, fill), obj=fill)
 
 
-_PLAIN = {dict, collections.OrderedDict, list, tuple, str, bytes, int, float, bool, type(None), set, frozenset,
-          argparse.Namespace}
+_PLAIN = {
+    dict,
+    collections.OrderedDict,
+    list,
+    tuple,
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    type(None),
+    set,
+    frozenset,
+    argparse.Namespace,
+}
 
 
 class _FastPickler(pickle.Pickler):
@@ -195,26 +208,6 @@ class Skeleton:
         return at + len(data)
 
 
-def write_skeleton(path: str, tree: Any) -> Skeleton:
-    """Write ``tree`` as torch.save would, tensor data left as holes: each Fill's data offset (by id), and
-    where each tensor record's CRC goes (the writer knows: nobody reads the zip back to find out)."""
-    skeleton = lay_out_zip(tree)
-    write_laid_out(path, skeleton)
-    return skeleton
-
-
-def write_laid_out(path: str, skeleton: Skeleton) -> None:
-    """Write ``skeleton``'s bytes to a new file at ``path``, its tensor data left as holes."""
-    fd = open_empty(path)
-    try:
-        preallocate(fd, skeleton.end)
-        # One write per run: a seek and a write per zip field cost ~10 ms a file beside busy copy threads.
-        for at, data in skeleton.runs:
-            os.pwrite(fd, data, at)
-    finally:
-        os.close(fd)
-
-
 def write_zip(f: Any, tree: Any) -> Skeleton:
     """torch.save's zip of ``tree`` into the seekable ``f``, seeking over (never writing) tensor data."""
     skeleton = lay_out_zip(tree)
@@ -227,10 +220,16 @@ def write_zip(f: Any, tree: Any) -> Skeleton:
 def lay_out_zip(tree: Any) -> Skeleton:
     """torch.save's zip of ``tree``, every byte but the tensors' data; no I/O."""
     pkl, storages = _pickle(tree)
-    small = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(ALIGN).encode()),
-             ("byteorder", b"little")]
-    tail = [("version", b"3\n"),
-            (".data/serialization_id", str(int(hashlib.sha256(pkl).hexdigest(), 16))[:40].encode())]
+    small = [
+        ("data.pkl", pkl),
+        (".format_version", b"1"),
+        (".storage_alignment", str(ALIGN).encode()),
+        ("byteorder", b"little"),
+    ]
+    tail = [
+        ("version", b"3\n"),
+        (".data/serialization_id", str(int(hashlib.sha256(pkl).hexdigest(), 16))[:40].encode()),
+    ]
     central: List[bytes] = []
     offsets: Dict[int, int] = {}
     holes: List[Tuple[int, int, int]] = []  # (data start, size, index of its central directory entry)
@@ -254,20 +253,60 @@ def lay_out_zip(tree: Any) -> Skeleton:
         z64 = struct.pack("<HHQQ", 1, 16, 0, 0) if zip64 else b""  # sizes: 0 here, in the descriptor
         extra = z64 + _padding(pos + LOCAL_HEADER.size + len(raw_name) + len(z64))
         in_header = 0xFFFFFFFF if zip64 else 0
-        header = LOCAL_HEADER.pack(LOCAL_SIG, version, _FLAGS, 0, 0, 0, 0, in_header, in_header, len(raw_name),
-                                   len(extra))
+        header = LOCAL_HEADER.pack(
+            LOCAL_SIG, version, _FLAGS, 0, 0, 0, 0, in_header, in_header, len(raw_name), len(extra)
+        )
         start = pos + len(header) + len(raw_name) + len(extra)
         put(pos, header + raw_name + extra + data)
         crc = zlib.crc32(data) if data else 0
         descriptor = struct.pack("<IQQ" if zip64 else "<III", crc, size, size)
         put(start + size, b"PK\x07\x08" + descriptor)
         if zip64:
-            entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, crc,
-                                0xFFFFFFFF, 0xFFFFFFFF, len(raw_name), 28, 0, 0, 0, 0, 0xFFFFFFFF)
+            entry = struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                version,
+                version,
+                _FLAGS,
+                0,
+                0,
+                0,
+                crc,
+                0xFFFFFFFF,
+                0xFFFFFFFF,
+                len(raw_name),
+                28,
+                0,
+                0,
+                0,
+                0,
+                0xFFFFFFFF,
+            )
             entry += raw_name + struct.pack("<HHQQQ", 1, 24, size, size, pos)
         else:
-            entry = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 0, 0, _FLAGS, 0, 0, 0, crc, size, size,
-                                len(raw_name), 0, 0, 0, 0, 0, pos) + raw_name
+            entry = (
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    0,
+                    0,
+                    _FLAGS,
+                    0,
+                    0,
+                    0,
+                    crc,
+                    size,
+                    size,
+                    len(raw_name),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    pos,
+                )
+                + raw_name
+            )
         central.append(entry)
         pos = start + size + 4 + len(descriptor)
         return start
@@ -289,21 +328,14 @@ def lay_out_zip(tree: Any) -> Skeleton:
     n = len(central)
     if zip64:
         end64 = pos + len(cd)
-        put(pos, cd + struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, version, version, 0, 0, n, n, len(cd), pos)
+        put(
+            pos,
+            cd
+            + struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, version, version, 0, 0, n, n, len(cd), pos)
             + struct.pack("<IIQI", 0x07064B50, 0, end64, 1)
-            + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), 0xFFFFFFFF,
-                          0xFFFFFFFF, 0))
+            + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF), 0xFFFFFFFF, 0xFFFFFFFF, 0),
+        )
     else:
         put(pos, cd + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, len(cd), pos, 0))
     # A record's CRC sits after its data: in its data descriptor (4 bytes past the signature) and its central entry.
     return Skeleton(offsets, [(start, size, (start + size + 4, entry_at[i] + 16)) for start, size, i in holes], runs)
-
-
-def save_plain(path: str, obj: Any) -> None:
-    """``torch.save(obj, path)`` for an object without tensors (e.g. VISSL's shard_list), torch-free if possible."""
-    try:
-        write_skeleton(path, obj)
-    except Unsupported:
-        import torch
-
-        torch.save(obj, path)

@@ -4,6 +4,7 @@ ctypes costs 2 ms to import, so nothing binds until a call needs it.
 Elsewhere than Linux, or where libc lacks the call, :func:`bind` gives None
 and callers take their portable path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,7 +12,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bind(name: str, argtypes: Tuple[str, ...]) -> Optional[Any]:
     """libc's ``name``, returning an int, its arguments of these ctypes type names (``"c_int64"``)."""
     if not sys.platform.startswith("linux"):

@@ -7,6 +7,7 @@ instead; all three verify.
 A folder output carries ``ckptshard-manifest.json`` inside it; a file output
 ``OUT.manifest.json`` beside it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,16 +15,18 @@ import json
 import os
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
-from .. import __version__
 from ..errors import CheckpointError
+from ..version import __version__
 from .hashing import ALGORITHM, Hashes, new_hash
 
 MANIFEST = "ckptshard-manifest.json"
 
 
 def _blake3() -> Any:
-    import blake3  # only to verify older manifests
-
+    try:
+        import blake3  # only manifests of an unreleased format carry BLAKE3: an optional package
+    except ImportError:
+        raise CheckpointError("this manifest's checksums are BLAKE3: pip install blake3 to verify it") from None
     return blake3.blake3()
 
 
@@ -105,17 +108,25 @@ def check_replaceable(final: str, is_dir: bool) -> None:
         problem = "is a file, and the output is a folder"
     else:
         files = read_manifest_files(manifest_path_of_file(final))
-        problem = None if files is not None and os.path.basename(final) in files else \
-            f"has no ckptshard manifest ({os.path.basename(manifest_path_of_file(final))}) listing it"
+        problem = (
+            None
+            if files is not None and os.path.basename(final) in files
+            else f"has no ckptshard manifest ({os.path.basename(manifest_path_of_file(final))}) listing it"
+        )
     if problem:
-        raise CheckpointError(f"{final}: exists and {problem}: --overwrite replaces only what ckptshard wrote; "
-                              "move or remove it yourself")
+        raise CheckpointError(
+            f"{final}: exists and {problem}: --overwrite replaces only what ckptshard wrote; move or remove it yourself"
+        )
 
 
-
-
-def build_manifest(root: str, names: List[str], source: Mapping[str, Any], command: str,
-                   hashes: Optional[Hashes] = None, digests: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+def build_manifest(
+    root: str,
+    names: List[str],
+    source: Mapping[str, Any],
+    command: str,
+    hashes: Optional[Hashes] = None,
+    digests: Optional[Mapping[str, str]] = None,
+) -> Dict[str, Any]:
     """Describe files ``names`` under folder ``root`` (or ``root`` itself when ``names`` is ``[""]``).
 
     Files hashed while they were written, here (``hashes``) or by the
@@ -149,7 +160,7 @@ def verify_manifest(output: str) -> List[str]:
     problems = [f"{name}: not listed in the manifest" for name in _unlisted(output, files, is_dir)]
     for name, info in sorted(files.items()):
         p = os.path.join(base, name)
-        if os.path.basename(name) != name and not is_dir or os.path.isabs(name) or ".." in name.split("/"):
+        if (os.path.basename(name) != name and not is_dir) or os.path.isabs(name) or ".." in name.split("/"):
             problems.append(f"{name}: the manifest names a file outside the output")
         elif not os.path.isfile(p):
             problems.append(f"{name}: missing")

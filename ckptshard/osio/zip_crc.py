@@ -6,28 +6,29 @@ directory). torch.load does not check them, but every zip tool does
 (``unzip -t``, Python's ``zipfile``), so a filled file would look corrupt.
 After a record is filled its CRC is computed from the bytes in place and
 written into its data descriptor, which lies after the data, so
-front-to-back hashing (io/hashing.py) still sees each byte only when it is
+front-to-back hashing (``osio/hashing.py``) still sees each byte only when it is
 final; the central directory is patched last. The CRC-32 comes from ISA-L
 (the ``isal`` package), 13.7 GB/s here against zlib's 2.3 GB/s, and from
 zlib where isal is not installed: the same value either way. (A record without a data
 descriptor keeps its CRC in the local header, before the data: correct, but
 hashing then trails the patch, which only torch.save's layout avoids.)
 """
+
 from __future__ import annotations
 
 import os
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple, Union
+
+from ..formats.zip_records import data_start
 
 try:
     from isal.isal_zlib import crc32
 except ImportError:  # a platform without isal's wheels: slower, same CRC
     from zlib import crc32
 
-LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, without its name and extra field
-LOCAL_SIG = 0x04034B50
 _CENTRAL_SIG = 0x02014B50
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _BLOCK = 8 << 20
@@ -69,13 +70,15 @@ def records(path: str) -> Dict[int, Record]:
     return out
 
 
-def data_start(f: BinaryIO, info: zipfile.ZipInfo) -> Tuple[int, int]:
-    """Where ``info``'s data starts in the open zip ``f``, and its local header's flags."""
-    f.seek(info.header_offset)
-    local = LOCAL_HEADER.unpack(f.read(LOCAL_HEADER.size))
-    if local[0] != LOCAL_SIG:
-        raise ValueError(f"{info.filename}: bad local header")
-    return info.header_offset + LOCAL_HEADER.size + local[9] + local[10], local[2]
+def set_crc(target: Union[int, memoryview, bytearray], crc: int, positions: Iterable[int], base: int = 0) -> None:
+    """Write ``crc`` at each of ``positions`` (+ ``base``) of a file (an fd) or a buffer: the one place
+    a zip record's CRC-32 is set, in its data descriptor or local header and in the central directory."""
+    raw = struct.pack("<I", crc)
+    for pos in positions:
+        if isinstance(target, int):
+            os.pwrite(target, raw, base + pos)
+        else:
+            target[base + pos : base + pos + 4] = raw
 
 
 def crc_of(fd: int, start: int, size: int, buf: bytearray) -> int:
@@ -121,10 +124,9 @@ class CrcFixer:
         if rec is None:
             raise AssertionError(f"no zip record starts at byte {data_start}")
         crc = crc_of(self._fd, rec.data_start, rec.size, self._buf)
-        os.pwrite(self._fd, struct.pack("<I", crc), rec.local_crc)
+        set_crc(self._fd, crc, (rec.local_crc,))
         self._done[data_start] = crc
 
     def finish(self) -> None:
         for start, crc in self._done.items():
-            os.pwrite(self._fd, struct.pack("<I", crc), self._records[start].central_crc)
-
+            set_crc(self._fd, crc, (self._records[start].central_crc,))

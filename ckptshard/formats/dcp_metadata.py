@@ -10,6 +10,7 @@ Here the same opcodes are written for stand-ins that name torch's classes,
 so the file unpickles, with torch, to objects equal to the ones
 ``dcp.save`` builds (tests/test_dcp.py compares them).
 """
+
 from __future__ import annotations
 
 import io
@@ -17,6 +18,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..dtypes import Size
 from .torch_save import _Global, _Pickler
+
+METADATA = ".metadata"  # the file of a DCP folder that describes it
+DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was written
 
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -91,19 +95,32 @@ def metadata_pickle(entries: Mapping[str, Any], mapping: Mapping[str, Any], vers
             dtype, shape, chunks = e
             if dtype not in properties:
                 properties[dtype] = _properties(dtype)
-            state_dict_metadata[name] = _Obj("TensorStorageMetadata", {
-                "properties": properties[dtype],
-                "size": Size(shape),
-                "chunks": [_Obj("ChunkStorageMetadata", {"offsets": Size(o), "sizes": Size(s)}) for o, s, _ in chunks],
-            })
+            state_dict_metadata[name] = _Obj(
+                "TensorStorageMetadata",
+                {
+                    "properties": properties[dtype],
+                    "size": Size(shape),
+                    "chunks": [
+                        _Obj("ChunkStorageMetadata", {"offsets": Size(o), "sizes": Size(s)}) for o, s, _ in chunks
+                    ],
+                },
+            )
             for offsets, _, where in chunks:
                 storage_data[_index(name, offsets)] = _storage(where)
         else:
             state_dict_metadata[name] = _Obj("BytesStorageMetadata", None)
             storage_data[_index(name, None)] = _storage(e)
     storage_meta = _Obj("StorageMeta", {"checkpoint_id": None, "save_id": None, "load_id": None, "modules": []})
-    meta = _Obj("Metadata", {"state_dict_metadata": state_dict_metadata, "planner_data": dict(mapping),
-                             "storage_data": storage_data, "storage_meta": storage_meta, "version": version})
+    meta = _Obj(
+        "Metadata",
+        {
+            "state_dict_metadata": state_dict_metadata,
+            "planner_data": dict(mapping),
+            "storage_data": storage_data,
+            "storage_meta": storage_meta,
+            "version": version,
+        },
+    )
     buf = io.BytesIO()
     _MetaPickler(buf).dump(meta)
     return buf.getvalue()

@@ -1,1 +1,0 @@
-"""Everything that touches files: loading, container formats, writers."""
