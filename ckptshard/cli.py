@@ -57,7 +57,7 @@ def _run(ctx: click.Context, fn: Callable[[], Any]) -> Any:
         return fn()
     except CheckpointError as e:
         if ctx.obj.get("debug"):
-            import traceback  # on this path only: 2 ms of start-up otherwise
+            import traceback  # on this path only: every command would pay its import
 
             traceback.print_exc()
         raise BadInput(str(e)) from None
@@ -92,7 +92,7 @@ common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an ex
 
 
 def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    if value:  # read by io/durability.py, here and in --jobs workers
+    if value:  # read by osio/durability.py, here and in --jobs workers
         os.environ[DURABILITY_ENV] = "1"
 
 

@@ -273,7 +273,7 @@ def consolidate(
         raise CheckpointError(
             "--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer"
         )
-    # Read (and so write) without importing torch where the files allow: 1.5-2.5 s here.
+    # Read (and so write) without importing torch where the files allow: its import takes seconds.
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
     inputs = tuple(ckpt.files.paths)
     run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))

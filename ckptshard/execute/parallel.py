@@ -159,16 +159,15 @@ def writer_threads(files: int) -> int:
     GIL, but two threads writing one file queue on its inode lock, so the
     parallelism is across files; each thread has its own hash pass. A
     thread per file rather than per core keeps every core busy to the end:
-    3 files on 2 cores, two threads copy the third file while a core idles
-    (reshard 8->3 of 2 GiB: 0.76 s with 2 threads, 0.65 s with 3).
+    3 files on 2 cores, two threads copy the third file while a core idles.
     """
     return 1 if _cores() == 1 else max(1, min(files, 4))
 
 
 AUTO = 0  # --jobs 0, the CLI's default: processes or threads, chosen from the plan (auto_processes)
 SMALL_PIECE = 4 << 20  # bytes: runs this small on average make one process's threads contend
-MIN_SPAWN_BYTES = 1 << 30  # below this, starting workers (about 0.06 s) costs more than contention...
-MANY_PIECES = 5_000  # ...unless the runs are this many: about 0.08 ms of Python each in one process
+MIN_SPAWN_BYTES = 1 << 30  # below this, starting workers costs more than contention...
+MANY_PIECES = 5_000  # ...unless the runs are this many: each costs Python time in one process
 
 
 def auto_processes(files: int, pieces: int, nbytes: int, cores: int) -> int:
@@ -177,17 +176,10 @@ def auto_processes(files: int, pieces: int, nbytes: int, cores: int) -> int:
 
     One process's threads (a writer and a hash thread per file) share its
     GIL and hand work to each other per run, so many small runs contend;
-    processes do not. Measured on 2 cores (docs/performance.md,
-    ``--no-fsync``): reshard 3->8 with Adam state, 3 GiB in runs of
-    3.4 MiB, 1.20 s in threads and 0.89 s in 2 processes; 92 FSDP
-    instances, 2 GiB in runs of 2.2 MiB, 1.00 and 0.66 s; 64 shards of 400
-    instances to 48, 0.75 GiB in 115k runs, 11.2 and 7.5 s, and 51 MiB in
-    8.6k runs, 0.71 and 0.62 s. On 16 cores the 115k runs took 32.6 s in
-    threads and 12.2 s in 16 processes, and Adam 3->8 0.99 s and 0.87 s in
-    4. Starting the workers gains little or loses with larger runs
-    (8.5 MiB: 0.61 and 0.59 s; 9.5 MiB: 0.51 and 0.55 s) or with fewer
-    files than two per process (3 files of 2 GiB weights: 0.56 and 0.63 s),
-    so each process gets two files at least.
+    processes do not (measured in docs/performance.md, "Parallel writing").
+    Starting the workers gains little or loses with runs over a few MiB or
+    with fewer files than two per process, so each process gets two files
+    at least.
     """
     if cores < 2 or files < 4 or nbytes > SMALL_PIECE * pieces:
         return 1

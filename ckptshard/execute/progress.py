@@ -13,7 +13,7 @@ def progress_bar(total: int, desc: str, enabled: bool = True) -> Iterator[Callab
         yield lambda n: None
         return
     from tqdm import (
-        tqdm,  # here, not at start-up: quiet runs never draw a bar (its import is ~13 ms)
+        tqdm,  # here, not at start-up: quiet runs never draw a bar
     )
 
     with tqdm(

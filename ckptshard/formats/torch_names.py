@@ -1,7 +1,7 @@
 """Stand-ins for the torch names a torch.save pickle refers to, so the C pickler can write them without torch.
 
 Python's C pickler writes a class as a GLOBAL only if it can import it from
-its module; torch's own names would import torch (1.5-2.5 s). It writes
+its module; torch's own names would import torch, which takes seconds. It writes
 these instead (``ckptshard.formats.torch_names FloatStorage``), and
 :func:`.torch_save.lay_out_zip` renames them in the bytes to torch's
 (``torch FloatStorage``): a protocol-2 GLOBAL is two text lines, with no

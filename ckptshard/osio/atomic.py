@@ -25,8 +25,7 @@ def open_empty(path: str) -> int:
 
     Not ``O_TRUNC``: truncating an existing (even empty) file makes ext4 flush
     the whole file when it is closed (its ``auto_da_alloc`` guard for
-    replace-by-truncate), which cost 0.75 s per 2 GiB output, serialised
-    before the fsync. The temporaries from :func:`atomic_output` exist and
+    replace-by-truncate), serialised before the fsync. The temporaries from :func:`atomic_output` exist and
     are empty; only a file that holds bytes is truncated.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -39,8 +38,7 @@ def preallocate(fd: int, size: int) -> None:
     """Give the empty file ``fd`` its final ``size``, its blocks allocated at once where the filesystem can.
 
     An output written front to back then needs no block allocation on the
-    way, and lies in few extents: 2 GiB copied into one file took 0.593 s
-    instead of 0.636 s here (consolidate: 0.621 against 0.635 s). Linux's
+    way, and lies in few extents (faster to write: docs/performance.md). Linux's
     ``fallocate``, not ``posix_fallocate``: glibc emulates the latter by
     writing zeros where the filesystem cannot, which would write the file
     twice. Where it cannot, the file is only extended (sparse).

@@ -24,10 +24,9 @@ when the output is closed and fsynced.
 
 XXH3-128 (the ``xxhash`` package, bindings of the reference library) is
 the checksum rsync uses by default; ``xxh128sum`` (``xxhsum -H2``) prints the
-same digests outside ckptshard. It hashes 2 GiB from the page cache in
-0.14 s of CPU here, against 0.36 s for BLAKE3 (which ckptshard used before)
-and 1.3 s for hashlib's SHA-256: it runs at memory speed, so it takes less
-of the bandwidth the copy on the other core needs. It is not a
+same digests outside ckptshard. It runs at memory speed, several times
+BLAKE3's and SHA-256's CPU speed (docs/performance.md), so it takes less of
+the bandwidth the copy on the other core needs. It is not a
 cryptographic hash, and need not be: the manifest that holds the digests
 lies beside the files, so whoever could forge a file could rewrite its
 manifest too; the digests find corruption and accidental changes.
@@ -57,7 +56,7 @@ ALGORITHM = "xxh3_128"  # the manifest's key for each file's digest
 new_hash = xxhash.xxh3_128
 
 BLOCK = 8 << 20
-STEP = 256 << 10  # hash and CRC in turn over this much: 2 GiB of .pt in 0.26 s of CPU, 0.34 s per whole block
+STEP = 256 << 10  # hash and CRC in turn over this much: a span stays in cache for both
 MAX_AHEAD = 4
 
 # Map every page of a window at once rather than a fault at a time: 7% less CPU for the pass here.
@@ -277,8 +276,7 @@ def _hash_span(f: _File, upto: int, view: memoryview, cond: threading.Condition,
 def _span(f: _File, start: int, stop: int, buf: memoryview) -> Iterator[memoryview]:
     """Bytes ``[start, stop)`` of ``f``: mapped from the page cache, or read into ``buf``.
 
-    Mapping skips a copy of every output byte (2 GiB hashed in 0.36 s of CPU
-    instead of 0.56 s here). A span past the end of the file is read, never
+    Mapping skips a copy of every output byte, a third of the hash's CPU. A span past the end of the file is read, never
     mapped: touching a mapping beyond EOF kills the process with SIGBUS.
     """
     mapped = None

@@ -1,6 +1,6 @@
 """Linux system calls Python's os module lacks, bound from libc on first use.
 
-ctypes costs 2 ms to import, so nothing binds until a call needs it.
+ctypes takes time to import, so nothing binds until a call needs it.
 Elsewhere than Linux, or where libc lacks the call, :func:`bind` gives None
 and callers take their portable path.
 """

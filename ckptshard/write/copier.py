@@ -135,10 +135,9 @@ class Copier:
     def _copy_mapped(self, src_path: str, fd: int, src_off: int, out_fd: int, out_off: int, n: int) -> bool:
         """Copy through a mapped window of the source; False where the file cannot be mapped.
 
-        For ranges whose source and output offsets differ modulo a page:
-        ``copy_file_range`` copied 2 GiB at such offsets in 0.66-0.80 s here,
-        against 0.54-0.62 s at equal offsets; ``pwrite`` from a mapping took
-        0.65-0.67 s at such offsets (0.54-0.66 s at equal ones). The kernel
+        For ranges whose source and output offsets differ modulo a page,
+        where ``copy_file_range`` is slower and ``pwrite`` from a mapping
+        costs the same as at equal offsets (docs/performance.md). The kernel
         reads the mapping, so a source shorter than expected gives a short
         write (an error below), never SIGBUS; windows keep memory flat.
         """
