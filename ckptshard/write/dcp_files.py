@@ -6,11 +6,11 @@ non-tensor value), and ``.metadata``, a pickled ``Metadata`` that names each
 chunk's box and byte range. ``torch.distributed.checkpoint.load`` and
 ``format_utils.dcp_to_torch_save`` read what is written here.
 
-Each chunk's frame is laid out by :func:`.torch_save.lay_out_zip` with the
+Each chunk's frame is laid out by :func:`~ckptshard.formats.torch_save.lay_out_zip` with the
 tensor's bytes left as a hole, and the bytes are copied into the hole from
 the source files. ``.metadata`` is the pickle of DCP's own dataclasses,
-written by name (:mod:`.dcp_metadata`). Importing torch took longer than
-converting 2 GiB here, so nothing on this path imports it (a value the
+written by name (:mod:`ckptshard.formats.dcp_metadata`). Importing torch can take
+longer than the conversion, so nothing on this path imports it (a value the
 torch-free writer does not know, in a non-tensor entry, goes through
 ``torch.save``).
 """
