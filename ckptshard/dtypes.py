@@ -1,7 +1,7 @@
 """Element types known by name, and torch.Size, so that planning and copying need no torch.
 
 A dtype here is either a ``torch.dtype`` or a :class:`StoredDType`, the
-stand-in the torch-free reader (``io/pickle_reader.py``) gives: both have
+stand-in the torch-free reader (``formats/torch_pickle.py``) gives: both have
 ``itemsize`` and ``is_floating_point``, and :func:`dtype_name` names either.
 One run never mixes the two; :func:`to_torch` converts where torch is needed.
 """
@@ -122,7 +122,7 @@ class Size(tuple):
         return f"torch.Size({list(self)})"
 
     def __reduce__(self) -> Any:
-        # Any other pickler (torch.save, pickle) writes a torch.Size; io/torch_save.py
+        # Any other pickler (torch.save, pickle) writes a torch.Size; formats/torch_save.py
         # writes the same global without importing torch.
         import torch
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Dict, List
 
 from ..dtypes import dtype_name as _dtype
@@ -146,7 +145,9 @@ def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
     Raises:
         CheckpointError: a missing, damaged or inconsistent checkpoint.
     """
-    if os.path.isfile(os.path.join(src, ".metadata")):  # io.dcp.is_dcp, without importing torch for the rest
+    from ..read.dcp import is_dcp  # read.dcp imports no torch; only DCP sources need it loaded
+
+    if is_dcp(src):
         return summarize_dcp(src, trust_pickles)
     return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
 

@@ -57,8 +57,8 @@ class PlannedFile:
     def __init__(self, files: PlannedFiles, index: int, path: str) -> None:
         self.files, self.index, self.path = files, index, path
 
-    def __getitem__(self, i: int) -> Any:  # a (tree, path) pair: job[1] asks for no plan
-        return (self.files.tree(self.index), self.path)[i] if i in (0, -2) else (None, self.path)[i]
+    def __getitem__(self, i: int) -> Any:  # a (tree, path) pair: job[1] plans nothing
+        return self.path if i in (1, -1) else tuple(self)[i]
 
     def __len__(self) -> int:
         return 2

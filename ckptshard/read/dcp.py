@@ -7,7 +7,7 @@ only: no pickled code runs), and each chunk's torch.save frame by the
 torch-free reader. Anything they do not handle (a class not on the list, a
 frame the reader refuses) sends the whole folder through torch's classes and
 ``torch.load`` instead, so one run's dtypes are all of one kind;
-``CKPTSHARD_TORCH_READER=1`` forces that. Writing is in :mod:`.dcp_write`
+``CKPTSHARD_TORCH_READER=1`` forces that. Writing is in :mod:`ckptshard.write.dcp_files`
 (no torch there either).
 """
 

@@ -70,7 +70,7 @@ def _check_state_dict(sd: Any, where: str) -> Mapping[str, TensorRef]:
 def _load_all(paths: Tuple[str, ...], trust_pickles: bool, torch_free: bool) -> List[Any]:
     """Every rank's file unpickled, tensors as TensorRefs.
 
-    ``torch_free``: try the torch-free reader first (see io/pickle_reader.py);
+    ``torch_free``: try the torch-free reader first (see formats/torch_pickle.py);
     if it cannot read any one file, every file goes through torch.load, so
     one checkpoint's dtypes are all of one kind. ``CKPTSHARD_TORCH_READER=1``
     turns the torch-free reader off.
