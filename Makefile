@@ -5,8 +5,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The oldest and the newest torch tested; each gets its own venv (CUDA builds from the registry, GBs).
+TORCH_RANGE ?= 2.0.1 2.15.0
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test test-range bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +28,11 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q
+
+# tests/test_torch_range.py on each torch of TORCH_RANGE, in .venv-torch<version>.
+test-range:
+	for v in $(TORCH_RANGE); do scripts/torch_venv.sh $$v .venv-torch$$v && \
+	  .venv-torch$$v/bin/python -m pytest -q tests/test_torch_range.py || exit 1; done
 
 bench: setup
 	$(BIN)/pip install -q matplotlib

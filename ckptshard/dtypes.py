@@ -2,7 +2,8 @@
 
 A dtype here is either a ``torch.dtype`` or a :class:`StoredDType`, the
 stand-in the torch-free reader (``formats/torch_pickle.py``) gives: both have
-``itemsize`` and ``is_floating_point``, and :func:`dtype_name` names either.
+``is_floating_point``; :func:`dtype_name` names either and :func:`itemsize`
+sizes either.
 One run never mixes the two; :func:`to_torch` converts where torch is needed.
 """
 
@@ -95,6 +96,11 @@ class StoredDType:
 def dtype_name(dtype: Any) -> str:
     """``float32`` for ``torch.float32`` and for ``StoredDType("float32")``."""
     return dtype.name if isinstance(dtype, StoredDType) else str(dtype).rsplit(".", 1)[-1]
+
+
+def itemsize_of(dtype: Any) -> int:
+    """Bytes per element of either kind of dtype (``torch.dtype.itemsize`` is newer than torch 2.0)."""
+    return ITEMSIZE.get(dtype_name(dtype)) or dtype.itemsize
 
 
 def to_torch(dtype: Any) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Tuple
 
+from .dtypes import itemsize_of
 from .tree import leaves, map_leaves
 
 
@@ -45,7 +46,7 @@ class TensorRef:
 
     @property
     def itemsize(self) -> int:
-        return self.dtype.itemsize
+        return itemsize_of(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -87,7 +88,7 @@ class Fill:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * itemsize_of(self.dtype)
 
 
 Progress = Callable[[int], None]  # called with the bytes just written

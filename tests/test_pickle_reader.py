@@ -288,3 +288,21 @@ def test_a_damaged_legacy_file_is_one_clear_error(fixtures, tmp_path):
     with pytest.raises(CheckpointError, match="nor a legacy one read lazily"):
         consolidate(str(legacy), str(tmp_path / "x.safetensors"), progress=False)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_flags_on_a_tensor_are_read_past_and_anything_else_refused(tmp_path):
+    """fairscale's state_dict() marks tensors ``_has_been_cloned``; torch saves that (as _rebuild_from_type_v2
+    with state) and its full state dicts carry it. A flag is not the data: read. A tensor in the state: refused."""
+    t = torch.arange(6.0).reshape(2, 3)
+    t._has_been_cloned = True
+    torch.save({"w": t}, tmp_path / "flag.pt")
+    with open(tmp_path / "flag.pt", "rb") as f:
+        assert b"_rebuild_from_type_v2" in f.read()
+    ref = read_torch_zip(str(tmp_path / "flag.pt"))["w"]
+    assert torch.equal(read_tensor(ref), t)
+
+    u = torch.arange(3.0)
+    u.extra = torch.ones(1)
+    torch.save({"w": u}, tmp_path / "tensor_state.pt")
+    with pytest.raises(Unsupported, match="tensor subclass"):
+        read_torch_zip(str(tmp_path / "tensor_state.pt"))

@@ -88,3 +88,55 @@ def test_cli_trust_pickles_for_numpy_rng_state(fixtures, tmp_path):
     want = torch.load(fixtures[2] / "ref" / "full_state_dict.pt", weights_only=True)
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture
+def old_torch(monkeypatch):
+    """torch up to 2.5 (meta tensors carry no offset) and before 2.4 (no way to widen the weights-only list)."""
+    from ckptshard.read import safe_load
+    from ckptshard.write import torch_file
+
+    monkeypatch.setattr(safe_load, "torch_gives_offsets", lambda: False)
+    monkeypatch.setattr(torch_file, "torch_gives_offsets", lambda: False)
+    monkeypatch.setattr(torch_file, "torch_skips_data", lambda: False)
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    monkeypatch.delattr(torch.serialization, "add_safe_globals")
+
+
+def test_offsets_come_from_ckptshards_reader_where_torch_gives_none(tmp_path, old_torch):
+    """The reliance that broke ``verify``, ``--trust-pickles`` and the torch reader on torch 2.0-2.5."""
+    import argparse
+
+    want = {"w": torch.arange(12.0).reshape(3, 4)[:, 1:], "b": torch.arange(5, dtype=torch.int64)}
+    torch.save({"model": want, "args": argparse.Namespace(lr=0.1)}, tmp_path / "a.pt")
+    for trust in (False, True):
+        got = load_lazy(str(tmp_path / "a.pt"), trust_pickles=trust)
+        assert got["args"].lr == 0.1 and got["model"]["w"].dtype is torch.float32  # torch's dtypes, as torch gives
+        for k, v in want.items():
+            assert torch.equal(read_tensor(got["model"][k]), v)
+
+
+def test_a_file_torch_and_ckptshard_read_differently_is_refused(tmp_path, old_torch, monkeypatch):
+    from ckptshard.read import safe_load
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    real = safe_load.read_torch_zip
+    monkeypatch.setattr(safe_load, "read_torch_zip", lambda *a, **k: {"w": real(*a, **k)["w"], "x": 1})
+    with pytest.raises(CheckpointError, match="unpickle different trees"):
+        load_lazy(str(tmp_path / "a.pt"), trust_pickles=True)
+
+
+def test_commands_on_torch_up_to_2_5(fixtures, tmp_path, old_torch, monkeypatch):
+    """consolidate through torch's reader, and a reshard written by torch's own writer, as torch 2.0-2.5 run them."""
+    from ckptshard.execute.consolidate import consolidate
+    from ckptshard.execute.reshard import reshard
+    from ckptshard.execute.verify import verify
+
+    src = str(fixtures[2] / "fairseq")
+    ref = torch.load(fixtures[2] / "ref" / "full_state_dict.pt", weights_only=True)
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    reshard(src, str(tmp_path / "r3"), 3, progress=False)
+    assert verify(str(tmp_path / "r3")) == []
+    consolidate(str(tmp_path / "r3"), str(tmp_path / "full.pt"), progress=False)
+    got = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)

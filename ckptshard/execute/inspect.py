@@ -6,6 +6,7 @@ import math
 from typing import Any, Dict, List
 
 from ..dtypes import dtype_name as _dtype
+from ..dtypes import itemsize_of
 from ..layout.chunking import padding
 from ..layout.model import state_dict_name
 from ..read.containers import container_summary
@@ -25,7 +26,7 @@ def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
             for fp in inst.flat_params:
                 pad = [0 if inst.no_broadcast_optim_state else padding(fp.numel, M, r) for r in range(M)]
                 total_padding += sum(pad)
-                total_bytes += fp.numel * fp.dtype.itemsize
+                total_bytes += fp.numel * itemsize_of(fp.dtype)
                 fps.append(
                     {
                         "key": inst.local_key(fp),
@@ -107,7 +108,7 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     tensors, values, total = [], [], 0
     for name, smd in md.state_dict_metadata.items():
         if type(smd).__name__ == "TensorStorageMetadata":
-            nbytes = math.prod(smd.size) * smd.properties.dtype.itemsize
+            nbytes = math.prod(smd.size) * itemsize_of(smd.properties.dtype)
             total += nbytes
             tensors.append(
                 {

@@ -80,8 +80,16 @@ def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, stat
     return data
 
 
+def _plain_attributes(state: Any) -> bool:
+    """A tensor's ``__dict__`` of flags only, which the data does not depend on: fairscale's
+    ``state_dict()`` marks its tensors ``_has_been_cloned``, and torch before 2.6 saves that along."""
+    return isinstance(state, dict) and all(
+        isinstance(k, str) and (v is None or isinstance(v, (bool, int, float, str))) for k, v in state.items()
+    )
+
+
 def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Tuple[Any, ...], state: Any) -> Any:
-    if not isinstance(new_type, _TensorType) or state:
+    if not isinstance(new_type, _TensorType) or (state and not _plain_attributes(state)):
         raise Unsupported("tensor subclass")
     return func(*args)
 
@@ -203,8 +211,11 @@ def check_depth(obj: Any, where: str, limit: int = MAX_DEPTH) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
-def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
-    """The object of an open torch.save zip; storages' offsets are ``base`` + their place in ``raw``."""
+def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int, trusted: bool = False) -> Any:
+    """The object of an open torch.save zip; storages' offsets are ``base`` + their place in ``raw``.
+
+    ``trusted`` (--trust-pickles): any other global is imported, as torch.load would; it can run code.
+    """
     pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
         raise Unsupported("not one data.pkl")
@@ -228,7 +239,7 @@ def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int) -> Any:
             raise Unsupported("one storage read as two dtypes")
         return seen[key]
 
-    return _Unpickler(io.BytesIO(data), storage).load()
+    return _Unpickler(io.BytesIO(data), storage, trusted=trusted).load()
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C

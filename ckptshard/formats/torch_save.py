@@ -12,8 +12,8 @@ written as globals. Tensor data is left as holes for the caller to fill,
 and their CRCs for the hash pass or ``osio/zip_crc.py`` to set. No I/O here.
 
 Only what the torch-free reader produces is written (dicts, lists, tuples,
-strings, numbers, ``argparse.Namespace``, ``Size`` and Fills with
-StoredDTypes); anything else raises :class:`Unsupported` and the caller
+strings, numbers, ``argparse.Namespace``, ``Size`` and Fills, of either
+kind of dtype); anything else raises :class:`Unsupported` and the caller
 uses torch.save. Past 4 GiB the file is zip64, as torch.save writes it:
 8-byte sizes and offsets in extra fields, data descriptors and end records.
 """
@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Set, Tuple
 
-from ..dtypes import STORAGE_CLASSES, Size, StoredDType
+from ..dtypes import STORAGE_CLASSES, Size, dtype_name
 from ..layout.boxes import strides
 from ..tensors import Fill
 from . import torch_names
@@ -80,7 +80,7 @@ def _check_plain(obj: Any) -> None:
 def _new_storage(storages: List[_Storage], fill: Fill) -> tuple:
     """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to
     ``storages``."""
-    if not isinstance(fill.dtype, StoredDType) or fill.dtype.name not in _CLASS_OF_DTYPE:
+    if dtype_name(fill.dtype) not in _CLASS_OF_DTYPE:
         raise Unsupported(f"dtype {fill.dtype}")
     storage = _Storage(str(len(storages)), fill)
     storages.append(storage)
@@ -94,7 +94,7 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
-            cls = _Global.of("torch", _CLASS_OF_DTYPE[obj.fill.dtype.name])
+            cls = _Global.of("torch", _CLASS_OF_DTYPE[dtype_name(obj.fill.dtype)])
             return ("storage", cls, obj.key, "cpu", obj.fill.numel)
         return None
 
@@ -153,7 +153,7 @@ class _FastPickler(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is _Storage:
-            name = _CLASS_OF_DTYPE[obj.fill.dtype.name]
+            name = _CLASS_OF_DTYPE[dtype_name(obj.fill.dtype)]
             self.used.add(name)
             return ("storage", torch_names.STORAGE[name], obj.key, "cpu", obj.fill.numel)
         return None

@@ -18,6 +18,13 @@ on CPU, so every gathered moment ends up equal to the last one gathered
 (``exp_avg == exp_avg_sq``). While that method runs, its ``all_gather``
 writes into fresh tensors instead.
 
+gloo in torch 2.0 has no ``all_gather_into_tensor`` /
+``reduce_scatter_tensor`` (``_all_gather_base``, ``_reduce_scatter_base``),
+which fairscale calls whenever torch names them: where gloo refuses one,
+the layer answers it with ``all_gather`` into the output's chunks, or an
+``all_reduce`` of which this rank keeps its chunk (the same sums; every rank
+adds in one order, so runs stay deterministic).
+
 Also needed on CPU: ``bucket_cap_mb=0`` (gloo's reduce-scatter rejects the
 2-D input fairscale's bucketer builds) and
 ``compute_device=torch.device("cpu")``; :func:`cpu_fsdp_kwargs` gives both.
@@ -110,6 +117,40 @@ class _FreshAllGather(types.ModuleType):
         return self._real.all_gather(tensor_list, tensor, *args, **kwargs)
 
 
+class _GlooCollectives(types.ModuleType):
+    """``torch.distributed`` whose flat-tensor collectives fall back to list ones where gloo lacks them."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("torch.distributed")
+        self._real = real
+        self._unsupported: set = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def _try(self, name: str, *args: Any, **kwargs: Any) -> bool:
+        if name in self._unsupported:
+            return False
+        try:
+            getattr(self._real, name)(*args, **kwargs)
+            return True
+        except RuntimeError as e:  # raised before anything is sent, so every rank falls back alike
+            if "support" not in str(e):
+                raise
+            self._unsupported.add(name)
+            return False
+
+    def _all_gather_base(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
+        if not self._try("_all_gather_base", output, input, group=group):
+            self._real.all_gather(list(output.chunk(self._real.get_world_size(group))), input, group=group)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
+        if not self._try("_reduce_scatter_base", output, input, group=group):
+            total = input.clone()
+            self._real.all_reduce(total, group=group)
+            output.copy_(total.chunk(self._real.get_world_size(group))[self._real.get_rank(group)])
+
+
 def _patch_gather_optim_state(fsdp_mod: types.ModuleType) -> None:
     cls = fsdp_mod.FullyShardedDataParallel
     original = cls._gather_optim_state
@@ -140,10 +181,14 @@ def install_cpu_compat(force: bool = False) -> bool:
         return True
     if not (force or needs_cpu_compat()):
         return False
+    from fairscale.internal import reduce_scatter_bucketer
     from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
 
     fake = _FakeCuda()
     fsdp_mod.torch = _TorchProxy(fake)  # type: ignore[attr-defined]
+    collectives = _GlooCollectives(torch.distributed)
+    fsdp_mod.dist = collectives  # type: ignore[attr-defined]
+    reduce_scatter_bucketer.dist = collectives  # type: ignore[attr-defined]
     real_record_stream = torch.Tensor.record_stream
 
     def record_stream(self: torch.Tensor, stream: Any) -> None:

@@ -194,9 +194,8 @@ def _frame_with_torch(trust_pickles: bool) -> ReadFrame:
     def read(path: str, offset: int, length: int, where: str) -> Any:
         fd = os.open(path, os.O_RDONLY)
         try:
-            return meta_tensors_to_refs(
-                path, safe_torch_load(FileWindow(fd, offset, length), where, trust_pickles), offset
-            )
+            obj = safe_torch_load(FileWindow(fd, offset, length), where, trust_pickles)
+            return meta_tensors_to_refs(path, obj, offset, length, trust_pickles)
         finally:
             os.close(fd)
 

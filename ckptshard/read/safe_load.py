@@ -4,24 +4,35 @@ Files are unpickled with ``weights_only=True`` and ``map_location="meta"``:
 tensors come back on the meta device carrying the byte offset of their data
 in the file, so nothing but the pickle is read; each becomes a
 :class:`~ckptshard.tensors.TensorRef`.
+
+What torch offers here is detected, not looked up by version: torch up to
+2.5 gives meta tensors no offset, and before 2.4 cannot widen its
+weights-only allow-list. There torch still unpickles every file (its
+verdict, its errors), and the offsets come from ckptshard's own reader of
+the same pickle, whose tree must agree with torch's tensor for tensor.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
+import io
 import pickle
 import re
 import threading
 import warnings
 import zipfile
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
+from ..dtypes import to_torch
 from ..errors import CheckpointError
 from ..formats.torch_pickle import Unsupported, check_depth, check_zip_records
 from ..osio.inputs import input_file
 from ..tensors import TensorRef
-from .torch_file import read_torch_file, read_torch_legacy, torch_free_allowed
+from ..tree import leaves, map_leaves
+from .torch_file import read_torch_file, read_torch_legacy, read_torch_zip, torch_free_allowed
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +40,31 @@ if TYPE_CHECKING:
 # Globals some real checkpoints need beyond torch's own weights-only set:
 # fairseq's pre-hydra ``args`` is an argparse.Namespace.
 SAFE_GLOBALS = [argparse.Namespace]
+_SAFE_GLOBAL_NAMES = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
+
+
+@functools.cache
+def torch_gives_offsets() -> bool:
+    """Whether ``torch.load(map_location="meta")`` says where each storage's bytes are (torch newer than 2.5)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1), buf)
+    buf.seek(0)
+    t = torch.load(buf, map_location="meta", weights_only=True)
+    return getattr(t.untyped_storage(), "_checkpoint_offset", None) is not None
+
+
+def torch_widens_allow_list() -> bool:
+    """Whether torch's weights-only loading can take :data:`SAFE_GLOBALS` (torch 2.4+)."""
+    import torch
+
+    ser = torch.serialization
+    return hasattr(ser, "safe_globals") or hasattr(ser, "add_safe_globals")
+
+
+class NarrowAllowList(Unsupported):
+    """torch refused one of :data:`SAFE_GLOBALS` and cannot be told to allow it: ckptshard's reader decides."""
 
 
 def _ref_of(path: str, t: torch.Tensor, at: int = 0) -> TensorRef:
@@ -44,8 +80,20 @@ def _ref_of(path: str, t: torch.Tensor, at: int = 0) -> TensorRef:
     )
 
 
-def meta_tensors_to_refs(path: str, obj: Any, at: int = 0) -> Any:
-    """Every tensor of ``obj`` as a TensorRef into ``path``; ``at``: where the torch.save data starts in it."""
+def meta_tensors_to_refs(
+    path: str, obj: Any, at: int = 0, length: Optional[int] = None, trust_pickles: bool = False
+) -> Any:
+    """Every tensor of ``obj`` (torch.load's, on the meta device) as a TensorRef into ``path``.
+
+    ``at``/``length``: where the torch.save zip lies in ``path`` (a DCP frame).
+    Where torch gives no offsets, ckptshard's reader of the same bytes does.
+    """
+    if not torch_gives_offsets():
+        return _refs_agreeing_with(path, obj, at, length, trust_pickles)
+    return _meta_to_refs(path, obj, at)
+
+
+def _meta_to_refs(path: str, obj: Any, at: int) -> Any:
     import torch
 
     if isinstance(obj, torch.Tensor):
@@ -53,13 +101,42 @@ def meta_tensors_to_refs(path: str, obj: Any, at: int = 0) -> Any:
     if isinstance(obj, dict):
         out = type(obj)() if type(obj) is not dict else {}
         for k, v in obj.items():
-            out[k] = meta_tensors_to_refs(path, v, at)
+            out[k] = _meta_to_refs(path, v, at)
         return out
     if isinstance(obj, list):
-        return [meta_tensors_to_refs(path, v, at) for v in obj]
+        return [_meta_to_refs(path, v, at) for v in obj]
     if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-        return tuple(meta_tensors_to_refs(path, v, at) for v in obj)
+        return tuple(_meta_to_refs(path, v, at) for v in obj)
     return obj
+
+
+def own_refs(path: str, at: int = 0, length: Optional[int] = None, trust_pickles: bool = False) -> Any:
+    """ckptshard's reading of a zip-format torch.save in ``path``, with torch dtypes (as torch's reading has)."""
+    try:
+        obj = read_torch_zip(path, at, length, trusted=trust_pickles)
+    except Unsupported as e:
+        raise CheckpointError(
+            f"{path}: this torch does not say where tensor data lies and ckptshard's reader cannot read it ({e}); "
+            "a torch newer than 2.5 reads it"
+        ) from None
+    return map_leaves(obj, lambda x: dataclasses.replace(x, dtype=to_torch(x.dtype)) if isinstance(x, TensorRef) else x)
+
+
+def _refs_agreeing_with(path: str, obj: Any, at: int, length: Optional[int], trust_pickles: bool) -> Any:
+    """:func:`own_refs`, checked against torch's unpickling ``obj``: the same tree, tensor for tensor."""
+    import torch
+
+    ours = own_refs(path, at, length, trust_pickles)
+    theirs = list(leaves(obj))
+    mine = list(leaves(ours))
+    if len(theirs) != len(mine):
+        raise CheckpointError(f"{path}: torch and ckptshard's reader unpickle different trees")
+    for (p1, t), (p2, ref) in zip(theirs, mine):
+        if not isinstance(t, torch.Tensor):
+            continue
+        if p1 != p2 or not isinstance(ref, TensorRef) or (t.dtype, tuple(t.shape)) != (ref.dtype, ref.shape):
+            raise CheckpointError(f"{path}: torch and ckptshard's reader disagree at {'.'.join(map(str, p1))}")
+    return ours
 
 
 def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) -> Any:
@@ -91,9 +168,12 @@ def load_lazy(path: str, trust_pickles: bool = False, torch_free: bool = False) 
             check_zip_records(zf, path)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError):
         pass  # damaged: torch.load says how
-    obj = safe_torch_load(path, path, trust_pickles)
+    try:
+        obj = safe_torch_load(path, path, trust_pickles)
+    except NarrowAllowList:
+        return own_refs(path)  # at least as strict as torch's list with SAFE_GLOBALS added
     check_depth(obj, path)
-    return meta_tensors_to_refs(path, obj)
+    return meta_tensors_to_refs(path, obj, trust_pickles=trust_pickles)
 
 
 _SAFE_GLOBALS_LOCK = threading.Lock()
@@ -110,8 +190,15 @@ def safe_globals() -> Iterator[None]:
     """
     import torch
 
-    with _SAFE_GLOBALS_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
-        yield
+    ser = torch.serialization
+    with _SAFE_GLOBALS_LOCK:
+        if hasattr(ser, "safe_globals"):
+            with ser.safe_globals(SAFE_GLOBALS):
+                yield
+        else:
+            if hasattr(ser, "add_safe_globals"):  # torch 2.4: process-wide only; adding twice changes nothing
+                ser.add_safe_globals(SAFE_GLOBALS)
+            yield
 
 
 def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
@@ -126,11 +213,14 @@ def safe_torch_load(f: Any, where: str, trust_pickles: bool = False) -> Any:
             return torch.load(f, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e)
-        m = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", msg)
-        if m:
+        # torch 2.4+: "Unsupported global: GLOBAL x.y"; torch 2.0: "Unsupported class x.y"
+        m = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)|Unsupported class ([\w.]+)", msg)
+        name = m and (m.group(1) or m.group(2))
+        if name in _SAFE_GLOBAL_NAMES and not torch_widens_allow_list():
+            raise NarrowAllowList(name) from None
+        if name:
             raise CheckpointError(
-                f"{where}: refused to unpickle {m.group(1)} (safe loading); "
-                "pass --trust-pickles only if you trust this file"
+                f"{where}: refused to unpickle {name} (safe loading); pass --trust-pickles only if you trust this file"
             ) from None
         raise CheckpointError(f"{where}: corrupted pickle: {_unpickler_detail(msg)}") from None
     except CheckpointError:

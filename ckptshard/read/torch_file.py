@@ -24,11 +24,12 @@ def torch_free_allowed() -> bool:
     return not os.environ.get("CKPTSHARD_TORCH_READER")
 
 
-def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None) -> Any:
+def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None, trusted: bool = False) -> Any:
     """Unpickle ``path`` (zip-format torch.save) without torch; tensors become TensorRefs.
 
     ``offset``/``length``: the zip is that part of the file (a DCP chunk);
-    TensorRefs still point into ``path``. Raises :class:`Unsupported` for
+    TensorRefs still point into ``path``. ``trusted`` (--trust-pickles): any
+    other global is imported, as torch.load would. Raises :class:`Unsupported` for
     anything it does not handle, including damaged files: the caller then
     uses torch.load, whose errors say why.
     """
@@ -41,7 +42,7 @@ def read_torch_zip(path: str, offset: int = 0, length: Optional[int] = None) -> 
             )
             with zipfile.ZipFile(raw) as zf:
                 check_zip_records(zf, path)
-                obj = unpickle_zip(zf, raw, offset)
+                obj = unpickle_zip(zf, raw, offset, trusted)
     except (Unsupported, CheckpointError):
         raise
     except Exception as e:  # damaged zip or pickle: torch.load will say what is wrong

@@ -14,7 +14,7 @@ import mmap
 import os
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from ..dtypes import dtype_name, to_torch
+from ..dtypes import dtype_name, itemsize_of, to_torch
 from ..errors import CheckpointError
 from ..osio.window import MAP_MIN
 from ..read.tensor_data import read_flat
@@ -63,7 +63,7 @@ class Copier:
         self.close()
 
     def fill(self, out_fd: int, out_offset: int, fill: Fill, progress: Optional[Progress] = None) -> None:
-        isz = fill.dtype.itemsize
+        isz = itemsize_of(fill.dtype)
         name = dtype_name(fill.dtype)
         for s in fill.sources:
             if s.length == 0:
@@ -90,7 +90,7 @@ class Copier:
     def fill_memory(self, out: memoryview, fill: Fill) -> None:
         """Read ``fill``'s bytes into ``out`` (its size), each run straight into its place (for
         :meth:`copies_only` fills)."""
-        isz = fill.dtype.itemsize
+        isz = itemsize_of(fill.dtype)
         for s in fill.sources:
             if s.length == 0:
                 continue

@@ -17,7 +17,7 @@ from ..osio.atomic import open_empty, preallocate
 from ..osio.hashing import Hashes
 from ..osio.window import MAP_MIN
 from ..osio.zip_crc import CrcFixer, crc32, deferred_crcs, set_crc
-from ..read.safe_load import safe_globals
+from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
 from ..tensors import Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
@@ -106,7 +106,8 @@ def write_torch(
     fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
     deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
-    if all(isinstance(f.dtype, StoredDType) for f in fills):  # read without torch: write without it too
+    # Read without torch: write without it too. torch before 2.5 cannot lay out a file without its data.
+    if all(isinstance(f.dtype, StoredDType) for f in fills) or not torch_skips_data():
         try:
             skeleton = lay_out_zip(tree)
         except Unsupported:
@@ -203,6 +204,13 @@ def _write_torch_in_memory(
         view.release()
 
 
+def torch_skips_data() -> bool:
+    """Whether torch.save can lay out a file without writing tensor data (``skip_data``, torch 2.5+)."""
+    import torch
+
+    return hasattr(torch.serialization, "skip_data")
+
+
 def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tuple[int, Fill]]:
     """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id."""
     import torch
@@ -221,12 +229,18 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
         return fakes[id(leaf)]
 
     skeleton = map_leaves(tree, to_fake)
-    with open(path, "wb") as f, torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(skeleton, f)
+    with open(path, "wb") as f:
+        if torch_skips_data():
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(skeleton, f)
+        else:  # torch before 2.5 writes the placeholders' (untouched, so unallocated) zeros, filled over next
+            torch.save(skeleton, f)
     del skeleton
     fakes.clear()
     # Read the skeleton's pickle back to learn where each tensor's bytes go.
-    if trust_pickles:
+    if not torch_gives_offsets():
+        placed = own_refs(path, trust_pickles=trust_pickles)
+    elif trust_pickles:
         placed = torch.load(path, map_location="meta", weights_only=False)
     else:
         with safe_globals():
@@ -234,6 +248,9 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
     targets: Dict[int, Tuple[int, Fill]] = {}
     for (p1, leaf), (p2, meta) in zip(leaves(tree), leaves(placed)):
         if not isinstance(leaf, Fill) or id(leaf) in targets:
+            continue
+        if isinstance(meta, TensorRef) and p1 == p2:
+            targets[id(leaf)] = (meta.offset, leaf)
             continue
         if p1 != p2 or not isinstance(meta, torch.Tensor):
             raise AssertionError(f"skeleton structure differs at {p1} / {p2}")

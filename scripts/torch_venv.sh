@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# A venv with torch==VERSION and ckptshard (editable) for the torch-range tests.
+#   scripts/torch_venv.sh VERSION FOLDER
+# Torch other than the pinned one comes from the registry as a CUDA build (GBs);
+# a machine-wide pip constraint capping torch (PIP_CONSTRAINT) is lifted here.
+set -euo pipefail
+version=$1
+venv=$2
+[ -f "$venv/.installed-$version" ] && exit 0
+python3 -m venv "$venv"
+extra=()
+case $version in 2.0.* | 2.1.* | 2.2.*) extra=("numpy<2") ;; esac # built against NumPy 1
+PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "torch==$version" "${extra[@]}" -e '.[test]'
+"$venv/bin/python" -c "import torch; assert torch.__version__.split('+')[0] == '$version', torch.__version__"
+touch "$venv/.installed-$version"

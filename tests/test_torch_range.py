@@ -1,0 +1,186 @@
+"""The whole tool on the torch that runs it: CI runs this module on the oldest and the newest torch too.
+
+Every feature of the table in README's "Tested with" is one test here, on a
+real fp32 fairscale run made with the torch under test (fp16 compute on the
+CPU is newer than torch 2.0, so the fp16 fixtures of the other modules are
+not used). Golden files in ``tests/data/golden`` (made by
+``scripts/make_golden.py``) guard the other direction: what ckptshard
+writes must stay byte for byte what every torch in the range has read.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+import ckptshard
+from ckptshard.fsdp.launch import run_world
+
+GOLDEN = pathlib.Path(__file__).parent / "data" / "golden"
+
+
+def _equal(a, b):
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def run(next_step_fixture):
+    """A real fp32 fairscale run at world size 2, made with this torch: (fairseq shards, live state_dict())."""
+    return str(next_step_fixture / "fairseq"), _load(next_step_fixture / "ref" / "full_state_dict.pt")
+
+
+@pytest.fixture(scope="module")
+def resharded3(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("range") / "r3"
+    ckptshard.reshard(run[0], str(out), 3, progress=False)
+    return out
+
+
+def test_consolidate(run, tmp_path):
+    ckptshard.consolidate(run[0], str(tmp_path / "full.pt"), progress=False)
+    _equal(_load(tmp_path / "full.pt"), run[1])
+
+
+def test_consolidate_with_the_torch_reader(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTSHARD_TORCH_READER", "1")
+    ckptshard.consolidate(run[0], str(tmp_path / "full.pt"), progress=False)
+    _equal(_load(tmp_path / "full.pt"), run[1])
+
+
+def test_consolidate_trusting_pickles(run, tmp_path):
+    with pytest.warns(UserWarning, match="trust-pickles"):
+        ckptshard.consolidate(run[0], str(tmp_path / "full.pt"), trust_pickles=True, progress=False)
+    _equal(_load(tmp_path / "full.pt"), run[1])
+
+
+def test_reshard(run, resharded3, tmp_path):
+    assert sorted(p.name for p in resharded3.glob("*.pt")) == [f"checkpoint_last-shard{r}.pt" for r in range(3)]
+    for p in resharded3.glob("*.pt"):
+        assert "model" in _load(p)  # this torch reads each shard weights-only
+    ckptshard.consolidate(str(resharded3), str(tmp_path / "full.pt"), progress=False)
+    _equal(_load(tmp_path / "full.pt"), run[1])
+
+
+def test_verify(run, resharded3, tmp_path):
+    assert ckptshard.verify(str(resharded3)) == []
+    bad = tmp_path / "bad"
+    shutil.copytree(resharded3, bad)
+    with open(bad / "checkpoint_last-shard1.pt", "r+b") as f:
+        f.seek(-200, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    assert ckptshard.verify(str(bad)), "a changed byte must be reported"
+
+
+def test_shard(run, resharded3, tmp_path):
+    full = tmp_path / "full.pt"
+    torch.save(run[1], full)  # saved by this torch
+    ckptshard.shard(str(full), run[0], str(tmp_path / "s3"), 3, progress=False)
+    for r in range(3):
+        ours, theirs = (
+            _load(tmp_path / "s3" / f"checkpoint_last-shard{r}.pt"),
+            _load(resharded3 / f"checkpoint_last-shard{r}.pt"),
+        )
+        _equal(ours["model"], theirs["model"])
+
+
+def _dcp_load(folder, like):
+    """``folder`` loaded by this torch's DCP, without a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata
+
+    if not hasattr(metadata, "_MEM_FORMAT_ENCODING"):
+        pytest.skip("torch 2.0's DCP names its metadata classes otherwise: it cannot read today's DCP format")
+
+    sd = {"model": {k: torch.zeros_like(v) for k, v in like.items()}}
+    reader = dcp.FileSystemReader(str(folder))
+    if hasattr(dcp, "load"):  # torch 2.2+
+        dcp.load(sd, storage_reader=reader)
+    else:
+        dcp.load_state_dict(sd, reader, no_dist=True)
+    return sd["model"]
+
+
+def test_convert_to_dcp_loads_with_this_torchs_dcp(run, tmp_path):
+    ckptshard.convert(run[0], str(tmp_path / "dcp"), "dcp", progress=False)
+    _equal(_dcp_load(tmp_path / "dcp", run[1]), run[1])
+
+
+def _load_worker(rank, world_size, src, full_path, out):
+    from ckptshard.fsdp.loading import load_checkpoint
+    from ckptshard.testing.fixtures import make_optimizer, wrap_fixture_model
+    from ckptshard.testing.model import VisslLikeModel
+
+    root = wrap_fixture_model(VisslLikeModel(), "fp32")
+    optim = make_optimizer(root.parameters(), "fp32")
+    load_checkpoint(root, src, optim)
+    wrapped = root.state_dict()
+    plain = VisslLikeModel()
+    load_checkpoint(plain, src)
+    if rank == 0:
+        torch.save({"wrapped": wrapped, "plain": plain.state_dict(), "steps": len(optim.state_dict()["state"])}, out)
+
+
+def test_load_checkpoint_wrapped_and_plain(run, resharded3, tmp_path):
+    run_world(_load_worker, 2, str(resharded3), None, str(tmp_path / "res.pt"))
+    res = _load(tmp_path / "res.pt")
+    _equal(res["wrapped"], run[1])
+    _equal(res["plain"], run[1])
+    assert res["steps"] > 0, "the optimizer state was loaded"
+
+
+def test_verify_resume_2_to_3(tmp_path):
+    from ckptshard.harness.verify_resume import reshard_scenario
+
+    (result,) = ckptshard.verify_resume(scenarios=[reshard_scenario("2->3")], steps=4, ckpt_step=2, work=str(tmp_path))
+    assert result.ok, result
+
+
+# Golden files: ckptshard's outputs of one committed real fairscale checkpoint.
+
+
+def _digest(folder):
+    """Each file's sha256; a manifest's with the source's paths (which name the folder it was run in) left out."""
+
+    def content(p):
+        if not p.name.endswith("manifest.json"):
+            return p.read_bytes()
+        manifest = json.loads(p.read_text())
+        manifest["source"]["files"] = [os.path.basename(f) for f in manifest["source"]["files"]]
+        return json.dumps(manifest, sort_keys=True).encode()
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(content(p)).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_golden_outputs_read_by_this_torch():
+    ref = _load(GOLDEN / "ref" / "full_state_dict.pt")
+    _equal(_load(GOLDEN / "out" / "consolidated.pt"), ref)
+    for r in range(3):
+        shard = _load(GOLDEN / "out" / "resharded-3" / f"checkpoint_last-shard{r}.pt")
+        assert shard["model"] and "last_optimizer_state" in shard
+
+
+def test_golden_dcp_read_by_this_torch():
+    ref = _load(GOLDEN / "ref" / "full_state_dict.pt")
+    _equal(_dcp_load(GOLDEN / "out" / "dcp", ref), ref)
+
+
+def test_golden_outputs_have_not_drifted(tmp_path):
+    """Today's writer gives the committed bytes; if a change is deliberate, rerun scripts/make_golden.py."""
+    from ckptshard.testing.golden import write_outputs
+
+    write_outputs(GOLDEN / "in", tmp_path)
+    assert _digest(tmp_path) == _digest(GOLDEN / "out")
