@@ -313,6 +313,8 @@ def reshard(
     )
     if _leads():
         click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
+        for note in res.notes:
+            click.echo(f"note: {note}", err=True)
 
 
 @main.command()
@@ -367,6 +369,8 @@ def shard(
         ),
     )
     click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
+    for note in res.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 @main.command()

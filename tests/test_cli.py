@@ -102,3 +102,16 @@ def test_help_explains_commands():
     assert res.returncode == 0
     for cmd in ("inspect", "consolidate", "reshard", "shard"):
         assert cmd in res.stdout
+
+
+def test_reshard_to_one_rank_says_which_readers_cannot_take_it(fixtures, tmp_path):
+    """The note is true: fairscale's consolidate_shard_weights fails on FSDP's own world-size-1 layout."""
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    res = cli("reshard", fixtures[2] / "fairseq", "-n", "1", "-o", tmp_path / "one")
+    assert res.returncode == 0, res.stderr
+    assert "consolidate_shard_weights" in res.stderr and "ckptshard consolidate" in res.stderr
+    shard = torch.load(tmp_path / "one" / "checkpoint_last-shard0.pt", weights_only=True)
+    with pytest.raises(Exception):  # noqa: B017 - fairscale fails in more than one way on these files
+        FSDP.consolidate_shard_weights([shard["model"]], [shard["fsdp_metadata"]])
+    assert "note:" not in cli("reshard", fixtures[2] / "fairseq", "-n", "3", "-o", tmp_path / "three").stderr

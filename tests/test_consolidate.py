@@ -132,8 +132,9 @@ def test_container_output_keeps_framework_keys(fixtures, container, tmp_path):
     if container == "vissl":
         assert obj["type"] == "consolidated"
         model = obj["classy_state_dict"]["base_model"]["model"]
+        # as VISSL's init_model_from_consolidated_weights reads it: each part's items() under its prefix
         flat = {f"trunk.{k}": v for k, v in model["trunk"].items()}
-        flat.update({f"heads.0.{k}": v for k, v in model["heads"][0].items()})
+        flat.update({f"heads.{k}": v for k, v in model["heads"].items()})
         assert obj["iteration"] == 3 and "meta" not in obj["classy_state_dict"]["base_model"]
     else:
         flat = obj["model"]

@@ -86,7 +86,11 @@ def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Opt
         set_path(tree, c.parts[0].weights, weights)
     if c.kind == "vissl":
         tree["type"] = "consolidated"
-        get_path(tree, ("classy_state_dict", "base_model")).pop("meta", None)
+        base = get_path(tree, ("classy_state_dict", "base_model"))
+        base.pop("meta", None)
+        heads = base.get("model", {}).get("heads")
+        if isinstance(heads, list):  # VISSL's consolidated form, which its loaders read with .items()
+            base["model"]["heads"] = {f"{j}.{k}": v for j, sd in enumerate(heads) for k, v in sd.items()}
     else:
         for spec in c.parts:
             get_path(tree, spec.metadata[:-1]).pop(spec.metadata[-1])

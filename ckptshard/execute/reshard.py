@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
@@ -39,6 +39,20 @@ class ReshardResult:
     folder: str
     files: List[str]
     nbytes: int
+    notes: List[str] = field(default_factory=list)
+
+
+WORLD_SIZE_1_NOTE = (
+    "at world size 1 FSDP saves the parameters of unflattened instances in their own shape, not as "
+    "1-D shards, and so do these files: fairscale's consolidate_shard_weights, which fairseq, metaseq and "
+    "VISSL call, cannot read them; `ckptshard consolidate` makes a full state dict of them"
+)
+
+
+def _noted(res: ReshardResult, world_size: int) -> ReshardResult:
+    if world_size == 1:
+        res.notes.append(WORLD_SIZE_1_NOTE)
+    return res
 
 
 def shard_list_name(ckpt: ShardedCheckpoint) -> str:
@@ -164,7 +178,8 @@ def reshard(
         optimizer: False leaves the optimizer state out (a model-only checkpoint).
 
     Returns:
-        ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes).
+        ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes), ``notes``
+        (what the user should know of the output: at world size 1, which readers cannot take it).
 
     Raises:
         CheckpointError: bad or inconsistent input (a missing or extra shard, shards of different runs,
@@ -178,9 +193,10 @@ def reshard(
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
     # as they are written.
     trees = PlannedFiles(lambda r: resharded_file(ckpt, world_size, r, optimizer), world_size)
-    return write_rank_files(
+    res = write_rank_files(
         ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress, source_info(ckpt), jobs
     )
+    return _noted(res, world_size)
 
 
 def _all_stored(*trees: Any) -> bool:
@@ -227,7 +243,7 @@ def shard(
         overwrite, trust_pickles, progress: as for :func:`reshard`.
 
     Returns:
-        ``ReshardResult``: ``folder``, ``files``, ``nbytes``.
+        ``ReshardResult``: ``folder``, ``files``, ``nbytes``, ``notes``.
 
     Raises:
         CheckpointError: bad or inconsistent input (names or shapes off the wrapping's plan, listed), an
@@ -242,4 +258,5 @@ def shard(
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     trees = sharded_files(template, refs, world_size, full_optim)
     source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}
-    return write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)
+    res = write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)
+    return _noted(res, world_size)
