@@ -11,7 +11,7 @@ leaves; ``ckptshard.write`` turns them into files.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from .dtypes import itemsize_of
 from .tree import leaves, map_leaves
@@ -63,6 +63,21 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class DTensorRef:
+    """One rank's piece of a DTensor (torch FSDP2's per-rank files): its local tensor and the whole's shape.
+
+    ``placements``: per mesh dimension, ``("shard", dim)``, ``("strided_shard", dim)``, ``("replicate", -1)``
+    or ``("partial", -1)``. ``coordinate``: the rank's place in the device mesh, where the file says it.
+    """
+
+    local: TensorRef
+    shape: Tuple[int, ...]
+    dtype: Any
+    placements: Tuple[Tuple[str, int], ...]
+    coordinate: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
 class Source:
     ref: TensorRef
     src_start: int  # element offset in the (flattened) source tensor
@@ -89,6 +104,18 @@ class Fill:
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize_of(self.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class DTensorFill:
+    """A DTensor to write (FSDP2's per-rank files): this rank's local tensor and the whole's shape.
+
+    Identity matters as for Fill: a tied parameter is one DTensor under two names.
+    """
+
+    local: Fill
+    shape: Tuple[int, ...]
+    placements: Tuple[Tuple[str, int], ...]
 
 
 Progress = Callable[[int], None]  # called with the bytes just written
@@ -128,6 +155,8 @@ def fills_in(tree: Any) -> List[Fill]:
     """Every distinct Fill of a plan tree, in tree order (a tie counts once)."""
     seen, out = set(), []
     for _, leaf in leaves(tree):
+        if isinstance(leaf, DTensorFill):
+            leaf = leaf.local
         if isinstance(leaf, Fill) and id(leaf) not in seen:
             seen.add(id(leaf))
             out.append(leaf)

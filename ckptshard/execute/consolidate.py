@@ -16,6 +16,7 @@ from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
+from ..read.torch_ranks import TorchRanks, open_torch_ranks
 from ..tensors import Fill, tree_nbytes, with_fills
 from ..tree import copy_tree, get_path, set_path
 from ..write.copier import Copier
@@ -277,6 +278,13 @@ def consolidate(
         raise CheckpointError(
             "--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer"
         )
+    ranks = open_torch_ranks(src)
+    if ranks is not None:
+        if container:
+            raise CheckpointError(f"{src}: torch FSDP2 per-rank files have no container to keep: drop --container")
+        return _consolidate_ranks(
+            ranks, out, fmt, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, max_shard_size, jobs
+        )
     # Read (and so write) without importing torch where the files allow: its import takes seconds.
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
     inputs = tuple(ckpt.files.paths)
@@ -320,3 +328,53 @@ def consolidate(
             "read; ckptshard shard --optimizer and load_checkpoint can"
         )
     return ConsolidateResult(outputs, len(weights), total, notes)
+
+
+def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:
+    return {
+        "files": [os.path.abspath(p) for p in ranks.files.paths],
+        "container": "fsdp2-verl" if ranks.files.verl else "fsdp2",
+        "world_size": ranks.world_size,
+    }
+
+
+def _consolidate_ranks(
+    ranks: TorchRanks,
+    out: str,
+    fmt: str,
+    optimizer: bool,
+    overwrite: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    max_shard_size: Optional[int],
+    jobs: int,
+) -> ConsolidateResult:
+    """torch FSDP2 per-rank files: the model's full state dict; ``optimizer``: torch's full optimizer state
+    (``get_optimizer_state_dict(..., full_state_dict=True)``'s, keyed by name) beside it."""
+    inputs = tuple(ranks.files.paths)
+    run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
+    weights = transform(ranks.full_model(), select, strip_prefix, renames, cast_dtype(dtype))
+    optim = ranks.full_optimizer() if optimizer else None
+    opt_out = optimizer_path(out) if optim is not None else None
+    if opt_out is not None:
+        run_checked(lambda: check_output(opt_out, overwrite, inputs))
+    total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
+    on_disk = full_size_bound(fmt, weights) + (torch_file_size_bound(optim) if opt_out is not None else 0)
+    run_checked(lambda: check_space(out, on_disk))
+    source = ranks_source_info(ranks)
+    outputs = [out]
+    lead = leads()
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
+        write_full(
+            out, fmt, weights, copier, tick, source, "consolidate", max_shard_size, overwrite, False, hashes, jobs
+        )
+        if opt_out is not None and lead:
+            write_full(opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, False, hashes)
+            outputs.append(opt_out)
+        for o in outputs:
+            if os.path.isfile(o):
+                write_file_manifest(o, source, "consolidate", hashes)
+    return ConsolidateResult(outputs, len(weights), total, [])

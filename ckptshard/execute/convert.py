@@ -19,6 +19,7 @@ from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
+    MODEL,
     OPTIM,
     Chunk,
     fairscale_full_optimizer,
@@ -31,6 +32,7 @@ from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
 from ..read.dcp import is_dcp
 from ..read.source import open_checkpoint
+from ..read.torch_ranks import TorchRanks, open_torch_ranks
 from ..tensors import Progress, is_tensor, tree_nbytes
 from ..write.copier import Copier
 from ..write.dcp_files import (
@@ -45,6 +47,7 @@ from .consolidate import (
     consolidate,
     full_size_bound,
     output_format,
+    ranks_source_info,
     source_info,
     write_file_manifest,
     write_full,
@@ -136,6 +139,14 @@ def convert(
             dtype,
             jobs,
         )
+    ranks = open_torch_ranks(src)
+    if ranks is not None and to == "dcp":
+        return _ranks_to_dcp(ranks, out, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, jobs)
+    if ranks is not None and to == "fairscale":
+        raise CheckpointError(
+            f"{src}: torch FSDP2 files do not convert to fairscale's: `reshard` moves them to another world size, "
+            "`consolidate` writes one state dict"
+        )
     if to == "dcp":
         return _fairscale_to_dcp(
             src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix, renames, dtype, jobs
@@ -200,19 +211,51 @@ def _fairscale_to_dcp(
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
-    plan = plan_dcp(tree)
+    return _write_dcp(plan_dcp(tree), out, overwrite, source_info(ckpt), progress, jobs, len(weights))
+
+
+def _write_dcp(
+    plan: Any, out: str, overwrite: bool, source: Dict[str, Any], progress: bool, jobs: int, count: int
+) -> ConvertResult:
     world = torchrun_world()
     if world is not None:
-        _dcp_across_ranks(plan, out, overwrite, source_info(ckpt), *world)
-        return ConvertResult([out], len(weights), plan.nbytes)
+        _dcp_across_ranks(plan, out, overwrite, source, *world)
+        return ConvertResult([out], count, plan.nbytes)
     check_space(out, dcp_size_bound(plan))
     with (
         progress_bar(plan.nbytes, "convert -> dcp", progress) as tick,
         atomic_output(out, is_dir=True, overwrite=overwrite) as tmp,
     ):
         names, digests = _dcp_in_parallel(tmp, plan, jobs, tick)
-        write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source_info(ckpt), "convert", None, digests))
-    return ConvertResult([out], len(weights), plan.nbytes)
+        write_json(os.path.join(tmp, MANIFEST), build_manifest(tmp, names, source, "convert", None, digests))
+    return ConvertResult([out], count, plan.nbytes)
+
+
+def _ranks_to_dcp(
+    ranks: TorchRanks,
+    out: str,
+    optimizer: bool,
+    overwrite: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    jobs: int,
+) -> ConvertResult:
+    """FSDP2 per-rank files -> DCP: ``{"model": ..., "optim": ...}`` as FSDP2's own ``dcp.save`` stores them."""
+    run_checked(lambda: check_output(out, overwrite, tuple(ranks.files.paths), is_dir=True))
+    weights = transform(ranks.full_model(), select, strip_prefix, renames, cast_dtype(dtype))
+    tree: Dict[str, Any] = {MODEL: weights}
+    if optimizer and ranks.optims is not None:
+        rename = name_mapper(select, strip_prefix, renames)
+        full = ranks.full_optimizer()
+        state = {rename(n): v for n, v in full["state"].items() if rename(n) is not None}
+        groups = [
+            {**g, "params": [rename(n) for n in g["params"] if rename(n) is not None]} for g in full["param_groups"]
+        ]
+        tree[OPTIM] = {"state": state, "param_groups": groups}
+    return _write_dcp(plan_dcp(tree), out, overwrite, ranks_source_info(ranks), progress, jobs, len(weights))
 
 
 def dcp_size_bound(plan: Any) -> int:

@@ -11,6 +11,8 @@ from ..layout.chunking import padding
 from ..layout.model import state_dict_name
 from ..read.containers import container_summary
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
+from ..read.torch_ranks import TorchRanks, open_torch_ranks
+from ..tensors import DTensorRef, TensorRef
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -132,16 +134,81 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     }
 
 
+def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
+    """torch FSDP2 per-rank files: each tensor's whole shape and placement, the optimizer, the other files."""
+    tensors, values, total = [], [], 0
+    first_name: Dict[Any, str] = {}
+    for name, v in ranks.models[0].items():
+        if isinstance(v, DTensorRef):
+            nbytes = math.prod(v.shape) * itemsize_of(v.dtype)
+            kind, dim = v.placements[0]
+            placed = f"Shard({dim})" if kind == "shard" else "Replicate()"
+            key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+            if first_name.setdefault(key, name) != name:
+                placed, nbytes = f"{placed}, tied to {first_name[key]}", 0
+        elif isinstance(v, TensorRef):
+            nbytes, placed = v.nbytes, "plain (rank 0's)"
+        else:
+            values.append(name)
+            continue
+        total += nbytes
+        tensors.append(
+            {"name": name, "dtype": _dtype(v.dtype), "shape": list(v.shape), "placement": placed, "bytes": nbytes}
+        )
+    optim = None
+    if ranks.optims is not None:
+        first = ranks.optims[0]
+        keys = sorted({k for entry in first["state"].values() for k in entry})
+        optim = {"entries": len(first["state"]), "param_groups": len(first["param_groups"]), "state_keys": keys}
+    files = ranks.files
+    return {
+        "source": files.folder,
+        "format": "fsdp2",
+        "layout": "verl" if files.verl else "per-rank files",
+        "world_size": ranks.world_size,
+        "tensor_bytes": total,
+        "tensors": tensors,
+        "values": values,
+        "optimizer": optim,
+        "extra_state": files.extra is not None,
+        "carried": files.carried(),
+    }
+
+
+def _format_ranks(s: Dict[str, Any]) -> str:
+    o = s["optimizer"]
+    lines = [
+        f"source      {s['source']}",
+        f"format      torch FSDP2 per-rank files ({s['layout']})",
+        f"world size  {s['world_size']}",
+        f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
+        "optimizer   none"
+        if o is None
+        else f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), "
+        f"state {', '.join(o['state_keys'])}",
+    ]
+    if s["extra_state"] or s["carried"]:
+        lines.append(f"also        {', '.join((['extra_state files'] if s['extra_state'] else []) + s['carried'])}")
+    lines.append("")
+    for t in s["tensors"]:
+        lines.append(f"  {t['name']}  {t['dtype']}  {tuple(t['shape'])}  {t['placement']}")
+    for v in s["values"]:
+        lines.append(f"  {v}  (value)")
+    return "\n".join(lines)
+
+
 def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
     """What a sharded checkpoint or a DCP folder holds, read without tensor data (and without torch where possible).
 
     Args:
-        src: fairscale shards (folder, one shard file or a VISSL shard_list) or a DCP folder.
+        src: fairscale shards (folder, one shard file or a VISSL shard_list), a DCP folder, or torch
+            FSDP2 per-rank files (verl's folder, or one file per rank).
         trust_pickles: unpickle without the weights-only safety net (files you trust only).
 
     Returns:
         A JSON-ready dict: container, world size, FSDP instances and parameters, padding, buffers,
-        optimizer state, fingerprint (for DCP: every entry with dtype, shape and chunks).
+        optimizer state, fingerprint (for DCP: every entry with dtype, shape and chunks; for FSDP2
+        files: every tensor's whole shape and placement).
 
     Raises:
         CheckpointError: a missing, damaged or inconsistent checkpoint.
@@ -150,6 +217,9 @@ def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
 
     if is_dcp(src):
         return summarize_dcp(src, trust_pickles)
+    ranks = open_torch_ranks(src)
+    if ranks is not None:
+        return summarize_ranks(ranks)
     return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
 
 
@@ -172,6 +242,8 @@ def format_summary(s: Dict[str, Any]) -> str:
     """The human-readable form of :func:`summarize` or :func:`summarize_dcp`."""
     if s.get("format") == "dcp":
         return _format_dcp(s)
+    if s.get("format") == "fsdp2":
+        return _format_ranks(s)
     lines = [
         f"source      {s['source']}",
         f"container   {s['container']['kind']} ({', '.join(s['container']['parts'])})",

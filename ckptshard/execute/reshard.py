@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -14,14 +16,17 @@ from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
+from ..plan.torch_ranks import resharded_model, resharded_optimizer
 from ..read.full_state import full_state_refs
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint, open_checkpoint
+from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ranks
 from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
+from ..write.dtensor_mesh import fake_mesh
 from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
-from .consolidate import source_info
+from .consolidate import ranks_source_info, source_info
 from .parallel import (
     Digests,
     PlannedFiles,
@@ -188,6 +193,9 @@ def reshard(
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
     _check_world_size(world_size)
+    ranks = open_torch_ranks(src)
+    if ranks is not None:
+        return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
@@ -258,5 +266,90 @@ def shard(
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     trees = sharded_files(template, refs, world_size, full_optim)
     source = {"full": os.path.abspath(full), "like": source_info(template), "optimizer": optimizer}
-    res = write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source)
-    return _noted(res, world_size)
+    return _noted(
+        write_rank_files(template, trees, dst, f"shard ->{world_size}", overwrite, progress, source), world_size
+    )
+
+
+def reshard_ranks(
+    ranks: TorchRanks, dst: str, world: int, overwrite: bool, progress: bool, optimizer: bool
+) -> ReshardResult:
+    """torch FSDP2 per-rank files at ``world`` ranks, named and laid out as the source's.
+
+    Each file is what ``model.state_dict()`` / ``optimizer.state_dict()``
+    of FSDP2 at ``world`` saves (torch pickles the DTensors, over a fake
+    process group). verl's ``extra_state`` files (LR scheduler, RNG states)
+    are copied byte for byte, never unpickled: new rank r gets old rank
+    ``r % M``'s. ``fsdp_config.json`` gets the new world size; the folder's
+    other entries (``huggingface/``) are copied.
+    """
+    if torchrun_world() is not None:
+        raise CheckpointError("resharding torch FSDP2 files runs in one process: start it without torchrun")
+    files = ranks.files
+    inputs = tuple(files.paths) + tuple(os.path.join(files.folder, n) for n in files.carried())
+    run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
+    with_optim = optimizer and ranks.optims is not None
+    first = [resharded_model(ranks, world, 0)] + ([resharded_optimizer(ranks, world, 0)] if with_optim else [])
+    per_rank = sum(tree_nbytes(t) for t in first)
+    extra = sum(os.path.getsize(p) for p in files.extra or ())
+    carried = sum(_disk_size(os.path.join(files.folder, n)) for n in files.carried())
+    bound = world * (sum(torch_file_size_bound(t) for t in first) + 3 * MANIFEST_ENTRY)
+    check_space(dst, bound + extra * (-(-world // ranks.world_size)) + carried)
+    desc = f"reshard {ranks.world_size}->{world}"
+    names: List[str] = []
+    digests: Dict[str, str] = {}
+    with (
+        progress_bar(per_rank * world, desc, progress) as tick,
+        atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp,
+        Copier() as copier,
+        Hashes() as hashes,
+    ):
+        for r in range(world):
+            trees = [("model", resharded_model(ranks, world, r))]
+            if with_optim:
+                trees.append(("optim", resharded_optimizer(ranks, world, r)))
+            with fake_mesh(world, r) as mesh:
+                for kind, tree in trees:
+                    name = files.name_of(kind, r, world)
+                    write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, mesh)
+                    digests[name] = hashes.digest(os.path.join(tmp, name))
+                    names.append(name)
+            if files.extra:
+                name = files.name_of("extra_state", r, world)
+                shutil.copyfile(files.extra[r % ranks.world_size], os.path.join(tmp, name))
+                names.append(name)
+        names += _carry(files, tmp, world)
+        manifest = build_manifest(tmp, names, ranks_source_info(ranks), "reshard", None, digests)
+        write_json(os.path.join(tmp, MANIFEST), manifest)
+    return ReshardResult(dst, names, per_rank * world)
+
+
+def _disk_size(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _carry(files: RankFiles, folder: str, world: int) -> List[str]:
+    """Copy the source folder's other entries; ``fsdp_config.json`` says the new world size. Their names."""
+    names = []
+    for n in files.carried():
+        src, dst = os.path.join(files.folder, n), os.path.join(folder, n)
+        if n == FSDP_CONFIG:
+            with open(src) as f:
+                try:
+                    config = json.load(f)
+                except ValueError:
+                    raise CheckpointError(f"{src}: not JSON") from None
+            if isinstance(config, dict) and "world_size" in config:
+                config["world_size"] = world
+            write_json(dst, config)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True)
+        else:
+            shutil.copyfile(src, dst)
+        if os.path.isdir(dst):
+            names += sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(dst) for f in fs)
+        else:
+            names.append(n)
+    return names

@@ -10,6 +10,7 @@ from ..osio.manifest import verify_manifest
 from ..read.dcp import is_dcp, open_dcp
 from ..read.full_state import full_state_refs
 from ..read.source import open_checkpoint
+from ..read.torch_ranks import open_torch_ranks
 
 
 def verify(path: str) -> List[str]:
@@ -31,6 +32,10 @@ def verify(path: str) -> List[str]:
     try:
         if is_dcp(path):
             open_dcp(path)  # every chunk's frame reads back with the shape and dtype .metadata names
+        elif (ranks := open_torch_ranks(path)) is not None:
+            ranks.full_model()  # every rank's pieces agree and add up to the whole
+            if ranks.optims is not None:
+                ranks.full_optimizer()
         elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
             open_checkpoint(path)  # every rank's metadata, sizes and padding agree
         else:

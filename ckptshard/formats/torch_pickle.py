@@ -30,10 +30,21 @@ import struct
 import zipfile
 from typing import Any, BinaryIO, Callable, Dict, Tuple
 
-from ..dtypes import STORAGE_CLASSES, Size, StoredDType
+from ..dtypes import ITEMSIZE, STORAGE_CLASSES, Size, StoredDType
 from ..errors import CheckpointError
-from ..tensors import TensorRef
+from ..tensors import DTensorRef, TensorRef
 from ..tree import map_leaves
+from .torch_distributed import (
+    DTENSOR_NAMES,
+    DTensorPiece,
+    DTensorType,
+    Record,
+    WrapperShell,
+    finish_dtensor,
+    is_distributed,
+    rebuild_wrapper_subclass,
+    record_class,
+)
 from .zip_records import data_start
 
 
@@ -48,6 +59,13 @@ class _StorageType:
 
 class _TensorType:
     """``torch.Tensor`` / ``torch.nn.Parameter`` named as a rebuild target."""
+
+
+class _BareDType:
+    """A ``torch.<dtype>`` global: a DTensor's dtype is taken; one anywhere else in the tree is refused."""
+
+    def __init__(self, name: str) -> None:
+        self.dtype = StoredDType(name)
 
 
 class _Storage:
@@ -89,6 +107,13 @@ def _plain_attributes(state: Any) -> bool:
 
 
 def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Tuple[Any, ...], state: Any) -> Any:
+    if isinstance(new_type, DTensorType):
+        shell = func(*args)
+        piece = finish_dtensor(shell, state) if isinstance(shell, WrapperShell) else None
+        if piece is None or not isinstance(piece.local, _Tensor) or not isinstance(piece.dtype, _BareDType):
+            raise Unsupported("a DTensor of another shape than FSDP2 saves")
+        piece.dtype = piece.dtype.dtype
+        return piece
     if not isinstance(new_type, _TensorType) or (state and not _plain_attributes(state)):
         raise Unsupported("tensor subclass")
     return func(*args)
@@ -111,7 +136,12 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch._utils", "_rebuild_wrapper_subclass"): rebuild_wrapper_subclass,
+    # A DTensor's device and layout; anywhere else they are refused (inert records, see to_refs).
+    ("torch", "device"): record_class("torch", "device"),
+    ("torch.serialization", "_get_layout"): record_class("torch.serialization", "_get_layout"),
 }
+_DTENSOR = DTensorType()
 _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.items()}
 
 
@@ -127,7 +157,11 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
         if found is None and module == "torch":
-            found = _STORAGE_TYPES.get(name)
+            found = _STORAGE_TYPES.get(name) or (_BareDType(name) if name in ITEMSIZE else None)
+        if found is None and (module, name) in DTENSOR_NAMES:
+            found = _DTENSOR
+        if found is None and is_distributed(module):  # a DTensor's spec and mesh: inert records
+            found = record_class(module, name)
         if found is None and self._trusted:  # --trust-pickles: any global, as torch.load(weights_only=False)
             return super().find_class(module, name)
         if found is None:
@@ -153,6 +187,12 @@ class _Unpickler(pickle.Unpickler):
 
 def to_refs(path: str, obj: Any) -> Any:
     def leaf(x: Any) -> Any:
+        if isinstance(x, DTensorPiece):
+            return DTensorRef(leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate)
+        if isinstance(x, Record):
+            raise Unsupported(f"a {x.qualname} outside a DTensor")
+        if isinstance(x, _BareDType):
+            raise Unsupported(f"a bare dtype ({x.dtype})")
         if isinstance(x, _Tensor):
             ref = TensorRef(
                 path, x.storage.offset + x.offset * x.storage.dtype.itemsize, x.storage.dtype, x.shape, x.stride

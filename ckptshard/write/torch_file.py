@@ -18,9 +18,10 @@ from ..osio.hashing import Hashes
 from ..osio.window import MAP_MIN
 from ..osio.zip_crc import CrcFixer, crc32, deferred_crcs, set_crc
 from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
-from ..tensors import Fill, Progress, TensorRef, fills_in
+from ..tensors import DTensorFill, DTensorRef, Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
+from .dtensor_mesh import dtensor_of
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,7 @@ def placeholder(shape: Tuple[int, ...], dtype: Any) -> torch.Tensor:
 
 RECORD_OVERHEAD = 512  # bytes a tensor adds to a torch.save zip beyond its data: headers, alignment, pickle
 FILE_OVERHEAD = 4096  # and a file: its other records and the central directory's end
+DTENSOR_OVERHEAD = 8192  # a DTensor's spec and device mesh, pickled beside its local tensor
 
 
 def torch_file_size_bound(tree: Any) -> int:
@@ -77,11 +79,14 @@ def torch_file_size_bound(tree: Any) -> int:
         except Unsupported:
             pass
     try:
-        plain = map_leaves(tree, lambda x: None if isinstance(x, Fill) else tuple(x) if isinstance(x, Size) else x)
+        plain = map_leaves(
+            tree, lambda x: None if isinstance(x, (Fill, DTensorFill)) else tuple(x) if isinstance(x, Size) else x
+        )
         carried = len(pickle.dumps(plain, protocol=2))
     except Exception:  # a value only torch's pickler handles: count it generously
         carried = 1 << 20
-    return sum(f.nbytes for f in fills) + RECORD_OVERHEAD * len(fills) + carried + FILE_OVERHEAD
+    meshes = DTENSOR_OVERHEAD * sum(1 for _, x in leaves(tree) if isinstance(x, DTensorFill))
+    return sum(f.nbytes for f in fills) + RECORD_OVERHEAD * len(fills) + carried + meshes + FILE_OVERHEAD
 
 
 def write_torch(
@@ -91,6 +96,7 @@ def write_torch(
     progress: Optional[Progress] = None,
     trust_pickles: bool = False,
     hashes: Optional[Hashes] = None,
+    mesh: Any = None,
 ) -> None:
     """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
 
@@ -101,7 +107,8 @@ def write_torch(
     ``hashes`` the hash pass trailing the copy also computes and writes the
     CRCs: the file is final once ``hashes.settled(path)`` returns. A small
     file of many small runs is put together in memory instead
-    (:func:`_in_memory`): the same bytes, written at once.
+    (:func:`_in_memory`): the same bytes, written at once. DTensorFills
+    become DTensors over ``mesh`` (``dtensor_mesh.fake_mesh``), laid out by torch.
     """
     fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
@@ -120,7 +127,7 @@ def write_torch(
             targets = {id(f): (skeleton.offsets[id(f)], f) for f in fills}
             deferred = skeleton.crcs
     if targets is None:
-        targets = _torch_skeleton(path, tree, trust_pickles)
+        targets = _torch_skeleton(path, tree, trust_pickles, mesh)
     order = sorted(targets.values(), key=lambda t: t[0])
     if hashes is not None and deferred is None:  # torch laid it out: read its zip to learn where the CRCs go
         deferred = deferred_crcs(path, [o for o, f in order if f.nbytes])
@@ -211,17 +218,27 @@ def torch_skips_data() -> bool:
     return hasattr(torch.serialization, "skip_data")
 
 
-def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tuple[int, Fill]]:
+def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None) -> Dict[int, Tuple[int, Fill]]:
     """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id."""
     import torch
 
     fakes: Dict[int, torch.Tensor] = {}
+    dtensors = False
 
     def to_fake(leaf: Any) -> Any:
+        nonlocal dtensors
         if isinstance(leaf, TensorRef):
             raise AssertionError("TensorRef left in an output tree: wrap it in a Fill")
         if isinstance(leaf, Size):
             return torch.Size(leaf)
+        if isinstance(leaf, DTensorFill):
+            if mesh is None:
+                raise AssertionError("a DTensorFill needs a mesh")
+            dtensors = True
+            if id(leaf) not in fakes:
+                local = placeholder(leaf.local.shape, leaf.local.dtype)
+                fakes[id(leaf)] = dtensor_of(local, mesh, leaf.shape, leaf.placements)
+            return fakes[id(leaf)]
         if not isinstance(leaf, Fill):
             return leaf
         if id(leaf) not in fakes:
@@ -238,7 +255,7 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
     del skeleton
     fakes.clear()
     # Read the skeleton's pickle back to learn where each tensor's bytes go.
-    if not torch_gives_offsets():
+    if dtensors or not torch_gives_offsets():  # ckptshard's reader gives a DTensor's local offset
         placed = own_refs(path, trust_pickles=trust_pickles)
     elif trust_pickles:
         placed = torch.load(path, map_location="meta", weights_only=False)
@@ -247,6 +264,9 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool) -> Dict[int, Tupl
             placed = torch.load(path, map_location="meta", weights_only=True)
     targets: Dict[int, Tuple[int, Fill]] = {}
     for (p1, leaf), (p2, meta) in zip(leaves(tree), leaves(placed)):
+        if isinstance(leaf, DTensorFill) and isinstance(meta, DTensorRef) and p1 == p2:
+            targets[id(leaf.local)] = (meta.local.offset, leaf.local)
+            continue
         if not isinstance(leaf, Fill) or id(leaf) in targets:
             continue
         if isinstance(meta, TensorRef) and p1 == p2:

@@ -1,0 +1,125 @@
+"""Stand-ins for the ``torch.distributed`` objects a per-rank FSDP2 file pickles, read without torch.
+
+``torch.save`` of a DTensor writes ``_rebuild_from_type_v2(
+_rebuild_wrapper_subclass, DTensor, (DTensor, dtype, size, stride, ...),
+{"_local_tensor": <tensor>, "_spec": DTensorSpec(mesh=DeviceMesh(...),
+placements=(Shard(dim=0),), tensor_meta=...)})``. The classes of the spec
+move between torch releases (``torch.distributed._tensor`` before 2.5,
+``torch.distributed.tensor`` since) and their private fields change (a
+``mesh`` tensor, or a ``_layout``), so every global under
+``torch.distributed`` unpickles as an inert :class:`Record` that only
+remembers its arguments and state: nothing of torch is imported or run.
+What ckptshard needs is then read off the records by field name: the
+local tensor, the global shape and the placements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+DTENSOR_NAMES = {
+    ("torch.distributed.tensor", "DTensor"),
+    ("torch.distributed.tensor._api", "DTensor"),
+    ("torch.distributed._tensor", "DTensor"),
+    ("torch.distributed._tensor.api", "DTensor"),
+}
+
+
+class Record:
+    """An object of a ``torch.distributed`` class or call, kept as its arguments and state."""
+
+    qualname = "?"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Record:
+        self = object.__new__(cls)
+        self.args, self.kwargs, self.state = args, kwargs, {}
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # __new__ kept the arguments; REDUCE calls the class, NEWOBJ only __new__
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        self.state = state if isinstance(state, dict) else {"state": state}
+
+    def field(self, name: str, position: Optional[int] = None) -> Any:
+        """A field by name from the state or keyword arguments, else the positional argument."""
+        if name in self.state:
+            return self.state[name]
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if position is not None and len(self.args) > position:
+            return self.args[position]
+        return None
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname}>"
+
+
+_RECORD_CLASSES: Dict[Tuple[str, str], type] = {}
+
+
+def record_class(module: str, name: str) -> type:
+    """One inert class per ``module.name`` (so two records of one class compare by class)."""
+    key = (module, name)
+    if key not in _RECORD_CLASSES:
+        _RECORD_CLASSES[key] = type(name, (Record,), {"qualname": f"{module}.{name}", "__module__": __name__})
+    return _RECORD_CLASSES[key]
+
+
+def is_distributed(module: str) -> bool:
+    return module == "torch.distributed" or module.startswith("torch.distributed.")
+
+
+class DTensorType:
+    """``DTensor`` named as a rebuild target."""
+
+
+class WrapperShell:
+    """``_rebuild_wrapper_subclass``'s result before its state: the global dtype and shape."""
+
+    def __init__(self, cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> None:
+        self.cls, self.dtype = cls, dtype
+        self.shape = tuple(int(s) for s in size)
+        self.stride = tuple(int(s) for s in stride)
+
+
+def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> WrapperShell:
+    return WrapperShell(cls, dtype, size, stride, *rest)
+
+
+class DTensorPiece:
+    """One rank's DTensor as unpickled: ``local`` is the reader's tensor stand-in."""
+
+    def __init__(self, shell: WrapperShell, local: Any, placements: Tuple[Tuple[str, int], ...], mesh: Any) -> None:
+        self.dtype, self.shape, self.local, self.placements = shell.dtype, shell.shape, local, placements
+        self.coordinate = coordinate_of(mesh)
+
+
+def placement(p: Any) -> Tuple[str, int]:
+    """``("shard", dim)``, ``("strided_shard", dim)``, ``("replicate", -1)`` or ``("partial", -1)``."""
+    name = p.qualname.rsplit(".", 1)[-1] if isinstance(p, Record) else type(p).__name__
+    dim = p.field("dim", 0) if isinstance(p, Record) else None
+    kinds = {"Shard": "shard", "_StridedShard": "strided_shard", "Replicate": "replicate", "Partial": "partial"}
+    kind = kinds.get(name, name)
+    return (kind, int(dim) if kind in ("shard", "strided_shard") and isinstance(dim, int) else -1)
+
+
+def coordinate_of(mesh: Any) -> Optional[Tuple[int, ...]]:
+    """This rank's coordinate in the pickled DeviceMesh, where it says it (it has for every release seen)."""
+    coordinate = mesh.field("_coordinate_on_dim") if isinstance(mesh, Record) else None
+    return tuple(int(c) for c in coordinate) if isinstance(coordinate, (list, tuple)) else None
+
+
+def finish_dtensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
+    """The DTensor of ``shell`` and its pickled ``state``; None if the state is not a DTensor's."""
+    if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__): DTensor keeps its fields in slots
+        state = {**(state[0] or {}), **(state[1] or {})}
+    if not isinstance(state, dict) or "_local_tensor" not in state or not isinstance(state.get("_spec"), Record):
+        return None
+    spec = state["_spec"]
+    placements = spec.field("placements", 1)
+    if not isinstance(placements, (list, tuple)):
+        return None
+    return DTensorPiece(shell, state["_local_tensor"], tuple(placement(p) for p in placements), spec.field("mesh", 0))

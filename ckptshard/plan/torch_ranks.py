@@ -1,0 +1,73 @@
+"""Plans for torch FSDP2's per-rank files at another world size: what rank r of N holds, from the M files.
+
+Each DTensor's rows are re-cut as FSDP2 at N cuts them (``torch.chunk``
+along its shard dimension) and each new piece is planned as the runs of the
+old pieces it covers; replicated DTensors, plain tensors (buffers) and
+other values are rank 0's, as torch's full state dict takes them. A tie
+(one DTensor under two names) stays one object. Optimizer state is planned
+by optimizer id, the same way: FSDP2 moments are DTensors like their
+parameters, ``step`` is a plain tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
+from ..read.torch_ranks import TorchRanks, assemble
+from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
+
+
+def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
+    kind, dim = first.placements[0]
+    if kind == "replicate":
+        return DTensorFill(full, tuple(first.shape), first.placements)
+    sizes = chunk_sizes(first.shape[dim], world)
+    start = sum(sizes[:rank])
+    sources = []
+    for whole_at, piece_at, length in row_runs(first.shape, dim, start, sizes[rank]):
+        sources.extend(sources_in(full, whole_at, whole_at + length, piece_at))
+    local = Fill(local_shape(first.shape, dim, sizes[rank]), first.dtype, tuple(sources))
+    return DTensorFill(local, tuple(first.shape), first.placements)
+
+
+class _Planner:
+    """Re-cuts DTensors for one rank, each whole assembled once and a tie planned once."""
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world, self.rank = world, rank
+        self.done: Dict[Any, DTensorFill] = {}
+
+    def dtensor(self, pieces: Sequence[DTensorRef]) -> DTensorFill:
+        first = pieces[0]
+        key = (first.local.path, first.local.offset, first.local.shape) if first.local.numel else id(first)
+        if key not in self.done:
+            self.done[key] = _piece(assemble(pieces), first, self.world, self.rank)
+        return self.done[key]
+
+    def value(self, values: Sequence[Any]) -> Any:
+        v = values[0]
+        if isinstance(v, DTensorRef):
+            return self.dtensor(values)
+        if isinstance(v, TensorRef):
+            return whole(v)
+        return v
+
+
+def resharded_model(ranks: TorchRanks, world: int, rank: int) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``model.state_dict()``."""
+    plan = _Planner(world, rank)
+    return {name: plan.value([sd[name] for sd in ranks.models]) for name in ranks.models[0]}
+
+
+def resharded_optimizer(ranks: TorchRanks, world: int, rank: int) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``optimizer.state_dict()``."""
+    assert ranks.optims is not None
+    plan = _Planner(world, rank)
+    first = ranks.optims[0]
+    state: Dict[Any, Dict[str, Any]] = {}
+    for pid, entry in first["state"].items():
+        state[pid] = {k: plan.value([o["state"][pid][k] for o in ranks.optims]) for k in entry}
+    groups: List[Dict[str, Any]] = [dict(g) for g in first["param_groups"]]
+    return {**{k: v for k, v in first.items() if k not in ("state", "param_groups")}, "state": state,
+            "param_groups": groups}  # fmt: skip

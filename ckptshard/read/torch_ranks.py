@@ -1,0 +1,316 @@
+"""torch FSDP2's per-rank files: each rank's ``model.state_dict()`` (DTensors), optimizer state, extra state.
+
+Two layouts are recognised from the files alone:
+
+- verl's: ``model_world_size_{W}_rank_{r}.pt``, ``optim_world_size_{W}_rank_{r}.pt``
+  and ``extra_state_world_size_{W}_rank_{r}.pt`` beside ``fsdp_config.json``
+  and a ``huggingface/`` folder;
+- plain: one file per rank named like fairscale shards (``..._rank{r}.pt``,
+  ``...shard{r}.pt``) holding a state dict of DTensors.
+
+Every file is read by the torch-free reader (no process group, no model
+code); DTensors become :class:`~ckptshard.tensors.DTensorRef`. Everything the
+conversions rely on is checked here, before any output is planned: every
+rank present once, one world size, the same names, shapes, dtypes and
+placements on every rank, and each rank's piece the size FSDP2 cuts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..errors import CheckpointError
+from ..formats.torch_pickle import Unsupported
+from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
+from ..osio.inputs import input_file
+from ..tensors import DTensorRef, Fill, Source, TensorRef, whole
+from ..tree import leaves
+from .discover import find_shards
+from .torch_file import read_torch_file
+
+VERL_NAME = re.compile(r"^(?P<kind>model|optim|extra_state)_world_size_(?P<ws>\d+)_rank_(?P<rank>\d+)\.pt$")
+FSDP_CONFIG = "fsdp_config.json"  # verl's: {"FSDP_version": 2, "world_size": W}
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """The files of one per-rank checkpoint; index = rank. ``name_of(kind, rank, world)``: a file's name."""
+
+    folder: str
+    world_size: int
+    model: Tuple[str, ...]
+    optim: Optional[Tuple[str, ...]] = None
+    extra: Optional[Tuple[str, ...]] = None
+    verl: bool = True
+    head: str = ""  # plain layout: the name around the rank number
+    tail: str = ""
+
+    def name_of(self, kind: str, rank: int, world: int) -> str:
+        if self.verl:
+            return f"{kind}_world_size_{world}_rank_{rank}.pt"
+        return f"{self.head}{rank}{self.tail}"
+
+    @property
+    def paths(self) -> Tuple[str, ...]:
+        return self.model + (self.optim or ()) + (self.extra or ())
+
+    def carried(self) -> List[str]:
+        """The folder's other entries (``fsdp_config.json``, ``huggingface/``...), by name: copied on reshard."""
+        if not self.verl:
+            return []
+        ours = {os.path.basename(p) for p in self.paths}
+        return sorted(n for n in os.listdir(self.folder) if n not in ours and not VERL_NAME.match(n))
+
+
+def find_verl(src: str) -> Optional[RankFiles]:
+    """verl's per-rank files in folder ``src`` (or the folder of one of them); None if it has none."""
+    folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    if not os.path.isdir(src) and not VERL_NAME.match(os.path.basename(src)):
+        return None
+    found: Dict[str, Dict[int, Dict[int, str]]] = {}
+    for name in sorted(os.listdir(folder)):
+        m = VERL_NAME.match(name)
+        if m:
+            found.setdefault(m["kind"], {}).setdefault(int(m["ws"]), {})[int(m["rank"])] = os.path.join(folder, name)
+    if "model" not in found:
+        return None
+    sizes = sorted({ws for by_ws in found.values() for ws in by_ws})
+    if len(sizes) > 1:
+        raise CheckpointError(f"{folder}: files of several world sizes ({', '.join(map(str, sizes))}); keep one")
+    world = sizes[0]
+    kinds: Dict[str, Tuple[str, ...]] = {}
+    for kind, by_ws in found.items():
+        by_rank = by_ws[world]
+        missing = [r for r in range(world) if r not in by_rank]
+        if missing or len(by_rank) != world:
+            extra = sorted(r for r in by_rank if r >= world)
+            what = f"rank {missing[0]} is missing" if missing else f"rank {extra[0]} is beyond world size {world}"
+            raise CheckpointError(f"{folder}: {kind}_world_size_{world}_rank_*.pt: {what}")
+        kinds[kind] = tuple(by_rank[r] for r in range(world))
+    return RankFiles(folder, world, kinds["model"], kinds.get("optim"), kinds.get("extra_state"))
+
+
+def _read(path: str) -> Any:
+    try:
+        return read_torch_file(path)
+    except Unsupported as e:
+        raise CheckpointError(f"{path}: cannot read this per-rank file without torch ({e})") from None
+
+
+def has_dtensors(tree: Any) -> bool:
+    return any(isinstance(v, DTensorRef) for _, v in leaves(tree))
+
+
+def find_torch_ranks(src: str) -> Optional[Tuple[RankFiles, List[Any]]]:
+    """The per-rank files ``src`` names and their model trees, if they are torch FSDP2's; else None."""
+    files = find_verl(src)
+    if files is not None:
+        return files, [_read(p) for p in files.model]
+    if not os.path.exists(src):
+        return None
+    try:
+        shards = find_shards(src)
+        first = read_torch_file(shards.paths[0])
+    except (CheckpointError, Unsupported):
+        return None
+    if not has_dtensors(first):
+        return None
+    files = RankFiles(
+        os.path.dirname(shards.paths[0]), len(shards.paths), shards.paths, verl=False, head=shards.head,
+        tail=shards.tail,
+    )  # fmt: skip
+    return files, [first] + [_read(p) for p in shards.paths[1:]]
+
+
+def _model_dict(tree: Any, path: str) -> Dict[str, Any]:
+    if not isinstance(tree, Mapping) or not all(isinstance(k, str) for k in tree):
+        raise CheckpointError(f"{path}: not a state dict (name -> tensor)")
+    return dict(tree)
+
+
+def _check_piece(name: str, piece: DTensorRef, rank: int, world: int, path: str) -> None:
+    if len(piece.placements) != 1 or piece.placements[0][0] not in ("shard", "replicate"):
+        raise CheckpointError(
+            f"{path}: {name} is placed {piece.placements} on its device mesh; ckptshard reads FSDP2's "
+            "one-dimensional Shard(dim) and Replicate() placements (not HSDP, tensor parallel or partial sums)"
+        )
+    if piece.coordinate is not None and piece.coordinate != (rank,):
+        raise CheckpointError(f"{path}: holds {name} of mesh rank {piece.coordinate[0]}, not of rank {rank}")
+    kind, dim = piece.placements[0]
+    if kind == "shard":
+        if not 0 <= dim < len(piece.shape):
+            raise CheckpointError(f"{path}: {name} is sharded on dim {dim} of a {len(piece.shape)}-dim tensor")
+        want = local_shape(piece.shape, dim, chunk_sizes(piece.shape[dim], world)[rank])
+    else:
+        want = piece.shape
+    if tuple(piece.local.shape) != want:
+        raise CheckpointError(
+            f"{path}: {name}'s piece on rank {rank} has shape {tuple(piece.local.shape)}; FSDP2 at world size "
+            f"{world} gives it {want}"
+        )
+    if piece.local.numel and not piece.local.contiguous:
+        raise CheckpointError(f"{path}: {name}'s local tensor is not contiguous")
+
+
+def assemble(pieces: Sequence[DTensorRef]) -> Fill:
+    """The whole tensor of every rank's piece (checked by :func:`_check_piece`)."""
+    first = pieces[0]
+    kind, dim = first.placements[0]
+    if kind == "replicate":
+        return whole(first.local)
+    sources, start = [], 0
+    for piece in pieces:
+        rows = piece.local.shape[dim]
+        for dst, src, length in row_runs(first.shape, dim, start, rows):
+            sources.append(Source(piece.local, src, dst, length))
+        start += rows
+    return Fill(tuple(first.shape), first.dtype, tuple(sources))
+
+
+class TorchRanks:
+    """An opened per-rank FSDP2 checkpoint: its files and each rank's model (and optimizer) state."""
+
+    kind = "fsdp2"
+
+    def __init__(self, files: RankFiles, models: List[Any]) -> None:
+        self.files = files
+        self.world_size = files.world_size
+        self.models = [_model_dict(t, p) for t, p in zip(models, files.model)]
+        self._check_models()
+        self.optims = [self._optim(p) for p in files.optim] if files.optim else None
+        if self.optims is not None:
+            self._check_optims()
+
+    def _check_models(self) -> None:
+        first, W = self.models[0], self.world_size
+        if not has_dtensors(first):
+            raise CheckpointError(f"{self.files.model[0]}: holds no DTensor: not a torch FSDP2 per-rank state dict")
+        for r, (sd, path) in enumerate(zip(self.models, self.files.model)):
+            if list(sd) != list(first):
+                extra = next((k for k in sd if k not in first), None)
+                gone = next((k for k in first if k not in sd), None)
+                what = f"has {extra}, which rank 0 lacks" if extra else f"lacks {gone}" if gone else "orders names"
+                raise CheckpointError(f"{path}: {what} (every rank's file must name the same tensors)")
+            for name, v in sd.items():
+                v0 = first[name]
+                if isinstance(v, DTensorRef):
+                    if not isinstance(v0, DTensorRef) or (v.shape, str(v.dtype), v.placements) != (
+                        v0.shape,
+                        str(v0.dtype),
+                        v0.placements,
+                    ):
+                        raise CheckpointError(f"{path}: {name} differs from rank 0's (shape, dtype or placement)")
+                    _check_piece(name, v, r, W, path)
+                elif isinstance(v, TensorRef) and (
+                    not isinstance(v0, TensorRef) or (v.shape, str(v.dtype)) != (v0.shape, str(v0.dtype))
+                ):
+                    raise CheckpointError(f"{path}: {name} differs from rank 0's in shape or dtype")
+
+    def _optim(self, path: str) -> Dict[str, Any]:
+        osd = _read(path)
+        if not (isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping) and "param_groups" in osd):
+            raise CheckpointError(f"{path}: not an optimizer state_dict() (state, param_groups)")
+        return dict(osd)
+
+    def _check_optims(self) -> None:
+        first = self.optims[0]
+        for r, (osd, path) in enumerate(zip(self.optims, self.files.optim or ())):
+            if set(osd["state"]) != set(first["state"]):
+                raise CheckpointError(f"{path}: optimizer state of other parameters than rank 0's")
+            if len(osd["param_groups"]) != len(first["param_groups"]) or any(
+                g.get("params") != g0.get("params") for g, g0 in zip(osd["param_groups"], first["param_groups"])
+            ):
+                raise CheckpointError(f"{path}: param_groups differ from rank 0's")
+            for pid, entry in osd["state"].items():
+                for k, v in entry.items():
+                    if isinstance(v, DTensorRef):
+                        _check_piece(f"state[{pid}][{k}]", v, r, self.world_size, path)
+
+    def param_names(self) -> List[str]:
+        """Parameter names in ``model.parameters()`` order: the DTensors of the state dict, a tie once."""
+        names, seen = [], set()
+        for name, v in self.models[0].items():
+            if isinstance(v, DTensorRef):
+                key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+                if key not in seen:
+                    seen.add(key)
+                    names.append(name)
+        return names
+
+    def full_model(self) -> Dict[str, Any]:
+        """Every name's whole tensor as a Fill (a tie is one Fill); plain tensors and values from rank 0."""
+        out: Dict[str, Any] = {}
+        tied: Dict[Any, Fill] = {}
+        for name, v in self.models[0].items():
+            if isinstance(v, DTensorRef):
+                key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+                if key not in tied:
+                    tied[key] = assemble([sd[name] for sd in self.models])
+                out[name] = tied[key]
+            elif isinstance(v, TensorRef):
+                out[name] = whole(v)  # a buffer: every rank holds it whole; FSDP2's full state dict takes rank 0's
+            else:
+                out[name] = v
+        return out
+
+    def optimizer_ids(self) -> List[Tuple[int, str]]:
+        """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
+        if self.optims is None:
+            raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
+        ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
+        names = self.param_names()
+        where = (self.files.optim or ("",))[0]
+        if len(ids) != len(names):
+            raise CheckpointError(
+                f"{where}: the optimizer holds {len(ids)} parameters and the model {len(names)}: "
+                "they cannot be matched by order"
+            )
+        pairs = list(zip(ids, names))
+        model = self.models[0]
+        for pid, name in pairs:
+            for k, v in self.optims[0]["state"].get(pid, {}).items():
+                if isinstance(v, DTensorRef) and v.shape != model[name].shape:
+                    raise CheckpointError(
+                        f"{where}: optimizer entry {pid}'s {k} has shape {v.shape}, parameter {name} "
+                        f"{model[name].shape}: the optimizer's parameters are not the model's in order"
+                    )
+        return pairs
+
+    def full_optimizer(self) -> Dict[str, Any]:
+        """As ``get_optimizer_state_dict(model, optim, full_state_dict=True)`` gives it: keyed by name."""
+        assert self.optims is not None
+        pairs = self.optimizer_ids()
+        name_of = dict(pairs)
+        state: Dict[str, Dict[str, Any]] = {}
+        for pid, name in pairs:
+            entry = self.optims[0]["state"].get(pid)
+            if entry is None:
+                continue
+            state[name] = {
+                k: assemble([o["state"][pid][k] for o in self.optims])
+                if isinstance(v, DTensorRef)
+                else whole(v)
+                if isinstance(v, TensorRef)
+                else v
+                for k, v in entry.items()
+            }
+        groups = []
+        for g in self.optims[0]["param_groups"]:
+            groups.append(
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[p] for p in g["params"]]}
+            )
+        return {"state": state, "param_groups": groups}
+
+
+def open_torch_ranks(src: str) -> Optional[TorchRanks]:
+    """``src`` opened as torch FSDP2 per-rank files, or None if it is not such a checkpoint."""
+    found = find_torch_ranks(src)
+    if found is None:
+        return None
+    files, models = found
+    for p in files.paths:
+        input_file(p)
+    return TorchRanks(files, models)

@@ -1,0 +1,218 @@
+"""Real torch FSDP2 per-rank checkpoints, saved as verl saves them, and torch's own view at other world sizes.
+
+``build_fsdp2_run(out, W)`` trains :class:`TiedLM` with ``fully_shard`` on W
+gloo ranks and writes verl's layout::
+
+    model_world_size_{W}_rank_{r}.pt        model.state_dict()  (DTensors)
+    optim_world_size_{W}_rank_{r}.pt        optimizer.state_dict()  (DTensor moments, step)
+    extra_state_world_size_{W}_rank_{r}.pt  {"lr_scheduler": ..., "rng": {"cpu", "numpy", "random"}}
+    fsdp_config.json, huggingface/config.json
+    ref/full_model.pt, ref/full_optim.pt    get_model/optimizer_state_dict(full_state_dict=True), rank 0
+
+``torch_at(ref, out, N)`` loads the full reference into FSDP2 at N
+(``set_model_state_dict``/``set_optimizer_state_dict``) and saves each
+rank's state dicts as the run would: torch's own files at N, the oracle
+for reshard. ``step_from(folder, out, N)`` loads per-rank files at N the way
+verl resumes (``model.load_state_dict``, ``optimizer.load_state_dict``),
+takes one more step and saves the full state after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from ..fsdp.launch import run_world
+
+STEPS = 2
+VOCAB, DIM, HIDDEN = 13, 6, 7  # rows that no world size from 2 to 4 divides evenly
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output layer, two blocks of their own FSDP units, a 2-element parameter (an
+    empty piece from 3 ranks up) and a persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.gate = nn.Parameter(torch.ones(2))
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("position_scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) * self.position_scale[: tokens.shape[1], None]
+        for b in self.blocks:
+            x = b(x) * self.gate[0] + x * self.gate[1]
+        return self.head(x)
+
+
+def wrapped(seed: int = 0) -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = TiedLM()
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    return model
+
+
+def make_optimizer(model: nn.Module) -> Any:
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return optim, torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+
+
+def _batch(step: int, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s share of global batch ``step``: 12 sequences, the same whatever the world size."""
+    g = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (12, 5), generator=g)
+    return tokens[rank * 12 // world : (rank + 1) * 12 // world]
+
+
+def _step(model: Any, optim: Any, sched: Any, step: int, rank: int, world: int) -> None:
+    tokens = _batch(step, rank, world)
+    logits = model(tokens[:, :-1])
+    loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1), reduction="sum")
+    (loss * world / 48).backward()  # FSDP2 averages gradients over ranks: the mean over the global batch
+    optim.step()
+    optim.zero_grad()
+    sched.step()
+
+
+def _full(model: Any, optim: Any) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optim": get_optimizer_state_dict(model, optim, options=opts),
+    }
+
+
+def _save_rank_files(folder: str, model: Any, optim: Any, sched: Any, rank: int, world: int) -> None:
+    import numpy as np
+
+    os.makedirs(folder, exist_ok=True)
+    torch.save(model.state_dict(), os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt"))
+    torch.save(optim.state_dict(), os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"))
+    rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    torch.save(
+        {"lr_scheduler": sched.state_dict(), "rng": rng},
+        os.path.join(folder, f"extra_state_world_size_{world}_rank_{rank}.pt"),
+    )
+    if rank == 0:
+        with open(os.path.join(folder, "fsdp_config.json"), "w") as f:
+            json.dump({"FSDP_version": 2, "world_size": world}, f)
+        os.makedirs(os.path.join(folder, "huggingface"), exist_ok=True)
+        with open(os.path.join(folder, "huggingface", "config.json"), "w") as f:
+            json.dump({"vocab_size": VOCAB, "hidden_size": DIM}, f)
+
+
+def _train_worker(rank: int, world: int, out: str) -> None:
+    import numpy as np
+
+    np.random.seed(rank)
+    random.seed(rank)
+    model = wrapped()
+    optim, sched = make_optimizer(model)
+    for step in range(STEPS):
+        _step(model, optim, sched, step, rank, world)
+    _save_rank_files(out, model, optim, sched, rank, world)
+    full = _full(model, optim)
+    if rank == 0:
+        os.makedirs(os.path.join(out, "ref"), exist_ok=True)
+        torch.save(full["model"], os.path.join(out, "ref", "full_model.pt"))
+        torch.save(full["optim"], os.path.join(out, "ref", "full_optim.pt"))
+
+
+def build_fsdp2_run(out: str, world: int) -> None:
+    run_world(_train_worker, world, out)
+
+
+def _torch_at_worker(rank: int, world: int, ref: str, out: str) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    model = wrapped(seed=7)  # other initial values: loading must overwrite them all
+    optim, _ = make_optimizer(model)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_model_state_dict(model, torch.load(os.path.join(ref, "full_model.pt"), weights_only=True), options=opts)
+    set_optimizer_state_dict(
+        model, optim, torch.load(os.path.join(ref, "full_optim.pt"), weights_only=True), options=opts
+    )
+    torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
+    torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
+
+
+def torch_at(ref: str, out: str, world: int) -> None:
+    """torch's own per-rank files at ``world``, from the full reference state in folder ``ref``."""
+    os.makedirs(out, exist_ok=True)
+    run_world(_torch_at_worker, world, ref, out)
+
+
+def _step_worker(rank: int, world: int, folder: str, out: str) -> None:
+    import torch.distributed.tensor
+
+    model = wrapped(seed=7)
+    optim, sched = make_optimizer(model)
+    model.load_state_dict(
+        torch.load(os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt"), weights_only=True)
+    )
+    optim.load_state_dict(
+        torch.load(os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"), weights_only=True)
+    )
+    _step(model, optim, sched, STEPS, rank, world)
+    full = _full(model, optim)
+    if rank == 0:
+        torch.save(full, out)
+
+
+def step_from(folder: str, out: str, world: int) -> None:
+    """Resume per-rank files at ``world`` as verl does, one more step; the full state after it, to ``out``."""
+    run_world(_step_worker, world, folder, out)
+
+
+def _dcp_worker(rank: int, world: int, folder: str, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = wrapped(seed=7)
+    optim, _ = make_optimizer(model)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    full = _full(model, optim)
+    if rank == 0:
+        torch.save(full, out)
+
+
+def load_dcp(folder: str, out: str, world: int) -> None:
+    """A DCP folder loaded into FSDP2 at ``world`` with torch's own calls; the full state it then holds."""
+    run_world(_dcp_worker, world, folder, out)

@@ -1,0 +1,47 @@
+"""A device mesh for rank r of N, in this one process, so that torch itself pickles FSDP2's DTensors.
+
+A DTensor's pickle holds its DeviceMesh, whose private fields change with
+every torch release; the files torch FSDP2 at N would save are the ones
+torch pickles. torch's ``fake`` process group (made for tests: collectives
+do nothing) gives a mesh of any size and rank without other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+from ..errors import CheckpointError
+
+
+@contextlib.contextmanager
+def fake_mesh(world: int, rank: int) -> Iterator[Any]:
+    """The 1-D CPU DeviceMesh of ``rank`` among ``world``, under a fake process group torn down on exit."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise CheckpointError(
+            "writing torch FSDP2 files needs this process free of a process group: "
+            "run the conversion as one process (not under torchrun, not inside training)"
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
+    """``DTensor.from_local`` of ``local`` with the whole's ``shape``, no communication."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    kinds = [Shard(dim) if kind == "shard" else Replicate() for kind, dim in placements]
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return DTensor.from_local(local, mesh, kinds, run_check=False, shape=tuple(shape), stride=tuple(reversed(stride)))

@@ -1,0 +1,199 @@
+"""torch FSDP2 per-rank files (verl's layout) against real FSDP2 runs on gloo: consolidate, reshard, resume.
+
+The oracles are torch's own: ``get_model_state_dict``/``get_optimizer_state_dict``
+(full) of the training run for consolidate, and the files FSDP2 at N itself
+saves after ``set_model_state_dict``/``set_optimizer_state_dict`` of that full
+state for reshard. All comparisons are ``torch.equal``.
+"""
+
+import hashlib
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+import torch.distributed.tensor
+from conftest import _once
+
+import ckptshard
+from ckptshard.errors import CheckpointError
+from ckptshard.testing import fsdp2_ranks
+
+SOURCES = (1, 2, 3, 4)
+PAIRS = ((3, 2), (2, 4), (1, 3), (4, 1))
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def runs(cache_root):
+    code = hashlib.sha256(pathlib.Path(fsdp2_ranks.__file__).read_bytes()).hexdigest()[:8]
+    return {
+        w: _once(cache_root / f"fsdp2-ws{w}-{code}", lambda d, w=w: fsdp2_ranks.build_fsdp2_run(d, w)) for w in SOURCES
+    }
+
+
+@pytest.fixture(scope="module")
+def torch_files(runs, cache_root):
+    """(M, N) -> torch's own files at N of run M's full state."""
+    code = hashlib.sha256(pathlib.Path(fsdp2_ranks.__file__).read_bytes()).hexdigest()[:8]
+    return {
+        (m, n): _once(
+            cache_root / f"fsdp2-torch-{m}to{n}-{code}",
+            lambda d, m=m, n=n: fsdp2_ranks.torch_at(str(runs[m] / "ref"), d, n),
+        )
+        for m, n in PAIRS
+    }
+
+
+@pytest.fixture(scope="module")
+def resharded(runs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    out = {}
+    for m, n in PAIRS:
+        out[(m, n)] = tmp / f"{m}to{n}"
+        ckptshard.reshard(str(runs[m]), str(out[(m, n)]), n, progress=False)
+    return out
+
+
+def _assert_equal(got, want, where):
+    if isinstance(want, torch.distributed.tensor.DTensor):
+        assert isinstance(got, torch.distributed.tensor.DTensor), where
+        assert got.shape == want.shape and got.placements == want.placements, where
+        assert torch.equal(got.to_local(), want.to_local()), where
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for k in want:
+            _assert_equal(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_equal(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("w", SOURCES)
+def test_consolidate_is_torchs_full_state_dict(runs, w, tmp_path):
+    ckptshard.consolidate(str(runs[w]), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(runs[w] / "ref" / "full_model.pt"), "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), _load(runs[w] / "ref" / "full_optim.pt"), "optim")
+
+
+def test_consolidate_to_sharded_safetensors_and_bf16(runs, tmp_path):
+    from safetensors.torch import load_file
+
+    ckptshard.consolidate(str(runs[3]), str(tmp_path / "hf"), max_shard_size=400, dtype="bf16", progress=False)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in sorted(set(index["weight_map"].values())):
+        got.update(load_file(tmp_path / "hf" / f))
+    want = _load(runs[3] / "ref" / "full_model.pt")
+    assert set(got) == set(want) and len(set(index["weight_map"].values())) > 1
+    for k, v in want.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16) if v.is_floating_point() else v), k
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}to{p[1]}")
+def test_reshard_writes_what_fsdp2_at_n_saves(runs, resharded, torch_files, pair):
+    m, n = pair
+    ours, theirs = resharded[pair], torch_files[pair]
+    for r in range(n):
+        for kind in ("model", "optim"):
+            name = f"{kind}_world_size_{n}_rank_{r}.pt"
+            _assert_equal(_load(ours / name), _load(theirs / name), f"{name}")
+    assert json.loads((ours / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": n}
+    assert (ours / "huggingface" / "config.json").read_bytes() == (runs[m] / "huggingface" / "config.json").read_bytes()
+    for r in range(n):  # carried byte for byte, never unpickled (it holds numpy's RNG state)
+        src = runs[m] / f"extra_state_world_size_{m}_rank_{r % m}.pt"
+        assert (ours / f"extra_state_world_size_{n}_rank_{r}.pt").read_bytes() == src.read_bytes()
+    assert not [p for p in ours.iterdir() if "world_size_" in p.name and f"world_size_{n}_" not in p.name]
+    assert ckptshard.verify(str(ours)) == []
+
+
+def test_resume_from_reshard_matches_resume_from_torchs_files(resharded, torch_files, tmp_path):
+    fsdp2_ranks.step_from(str(resharded[(3, 2)]), str(tmp_path / "ours.pt"), 2)
+    fsdp2_ranks.step_from(str(torch_files[(3, 2)]), str(tmp_path / "theirs.pt"), 2)
+    _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
+
+
+def test_chained_reshards_equal_one(runs, tmp_path):
+    ckptshard.reshard(str(runs[3]), str(tmp_path / "a2"), 2, progress=False)
+    ckptshard.reshard(str(tmp_path / "a2"), str(tmp_path / "a4"), 4, progress=False)
+    ckptshard.reshard(str(runs[3]), str(tmp_path / "b4"), 4, progress=False)
+    for r in range(4):
+        for kind in ("model", "optim"):
+            name = f"{kind}_world_size_4_rank_{r}.pt"
+            _assert_equal(_load(tmp_path / "a4" / name), _load(tmp_path / "b4" / name), name)
+
+
+def test_plain_per_rank_files_without_verl_names(runs, tmp_path):
+    """A training loop's own torch.save(model.state_dict()) per rank: found by rank names, read the same."""
+    for r in range(3):
+        shutil.copy(runs[3] / f"model_world_size_3_rank_{r}.pt", tmp_path / f"weights_rank{r}.pt")
+    ckptshard.consolidate(str(tmp_path), str(tmp_path / "full.safetensors"), progress=False)
+    from safetensors.torch import load_file
+
+    got, want = load_file(tmp_path / "full.safetensors"), _load(runs[3] / "ref" / "full_model.pt")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _copy(run, tmp_path):
+    dst = tmp_path / "src"
+    shutil.copytree(run, dst)
+    shutil.rmtree(dst / "ref")
+    return dst
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "model_world_size_3_rank_1.pt").unlink(), "rank 1 is missing"),
+        (
+            lambda d: shutil.copy(d / "model_world_size_3_rank_0.pt", d / "model_world_size_4_rank_0.pt"),
+            "several world sizes",
+        ),
+        (
+            lambda d: shutil.copy(d / "model_world_size_3_rank_0.pt", d / "model_world_size_3_rank_2.pt"),
+            "of mesh rank 0, not of rank 2",
+        ),
+        (lambda d: (d / "optim_world_size_3_rank_2.pt").unlink(), r"optim_world_size_3_rank_\*\.pt: rank 2 is missing"),
+    ],
+    ids=["missing-rank", "mixed-world-sizes", "rank-file-twice", "missing-optim-rank"],
+)
+def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, damage, message):
+    src = _copy(runs[3], tmp_path)
+    damage(src)
+    for call in (
+        lambda: ckptshard.consolidate(str(src), str(tmp_path / "out.pt"), progress=False),
+        lambda: ckptshard.reshard(str(src), str(tmp_path / "out"), 2, progress=False),
+    ):
+        with pytest.raises(CheckpointError, match=message) as e:
+            call()
+        assert "\n" not in str(e.value)
+    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("m, n", [(3, 2), (1, 4)])
+def test_convert_to_dcp_loads_into_fsdp2_at_any_world_size(runs, m, n, tmp_path):
+    ckptshard.convert(str(runs[m]), str(tmp_path / "dcp"), "dcp", progress=False)
+    fsdp2_ranks.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), n)
+    full = _load(tmp_path / "full.pt")
+    _assert_equal(full["model"], _load(runs[m] / "ref" / "full_model.pt"), "model")
+    _assert_equal(full["optim"], _load(runs[m] / "ref" / "full_optim.pt"), "optim")
+
+
+def test_inspect_names_every_tensor_once_and_the_tie(runs):
+    s = ckptshard.inspect_checkpoint(str(runs[2]))
+    assert s["format"] == "fsdp2" and s["world_size"] == 2 and s["layout"] == "verl"
+    ref = _load(runs[2] / "ref" / "full_model.pt")
+    assert [t["name"] for t in s["tensors"]] == list(ref)
+    by_name = {t["name"]: t for t in s["tensors"]}
+    assert by_name["head.weight"]["placement"] == "Shard(0), tied to embed.weight"
+    assert by_name["position_scale"]["placement"].startswith("plain")
+    assert s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
