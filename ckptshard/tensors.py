@@ -75,6 +75,7 @@ class DTensorRef:
     dtype: Any
     placements: Tuple[Tuple[str, int], ...]
     coordinate: Optional[Tuple[int, ...]] = None
+    sharded_tensor: bool = False  # FSDP1's SHARDED_STATE_DICT ShardedTensor, read as the DTensor it amounts to
 
 
 @dataclass(frozen=True)

@@ -164,12 +164,14 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
     return {
         "source": files.folder,
         "format": "fsdp2",
+        "kind": ranks.kind,
         "layout": "verl" if files.verl else "per-rank files",
         "world_size": ranks.world_size,
         "tensor_bytes": total,
         "tensors": tensors,
         "values": values,
         "optimizer": optim,
+        "optimizer_files": files.optim is not None,
         "extra_state": files.extra is not None,
         "carried": files.carried(),
     }
@@ -179,10 +181,12 @@ def _format_ranks(s: Dict[str, Any]) -> str:
     o = s["optimizer"]
     lines = [
         f"source      {s['source']}",
-        f"format      torch FSDP2 per-rank files ({s['layout']})",
+        f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})",
         f"world size  {s['world_size']}",
         f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
-        "optimizer   none"
+        "optimizer   FSDP1 flat-parameter slices (not read)"
+        if o is None and s["kind"] == "fsdp1" and s["optimizer_files"]
+        else "optimizer   none"
         if o is None
         else f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), "
         f"state {', '.join(o['state_keys'])}",

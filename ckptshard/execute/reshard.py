@@ -283,6 +283,11 @@ def reshard_ranks(
     ``r % M``'s. ``fsdp_config.json`` gets the new world size; the folder's
     other entries (``huggingface/``) are copied.
     """
+    if ranks.kind == "fsdp1":
+        raise CheckpointError(
+            f"{ranks.files.folder}: FSDP1 SHARDED_STATE_DICT files cannot be resharded by ckptshard yet "
+            "(consolidate and convert --to dcp read their weights)"
+        )
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP2 files runs in one process: start it without torchrun")
     files = ranks.files

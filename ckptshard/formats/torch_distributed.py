@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple
 
+SHARDED_TENSOR_NAMES = {
+    ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
+    ("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
+}
 DTENSOR_NAMES = {
     ("torch.distributed.tensor", "DTensor"),
     ("torch.distributed.tensor._api", "DTensor"),
@@ -68,6 +72,14 @@ def record_class(module: str, name: str) -> type:
     return _RECORD_CLASSES[key]
 
 
+def record_getattr(owner: Any, name: str) -> Any:
+    """``getattr(<record class>, name)``: how ShardedTensor pickles its nested ProcessGroupState class."""
+    if not (isinstance(owner, type) and issubclass(owner, Record)):
+        return None
+    module, _, outer = owner.qualname.rpartition(".")
+    return record_class(module, f"{outer}.{name}")
+
+
 def is_distributed(module: str) -> bool:
     return module == "torch.distributed" or module.startswith("torch.distributed.")
 
@@ -95,6 +107,7 @@ class DTensorPiece:
     def __init__(self, shell: WrapperShell, local: Any, placements: Tuple[Tuple[str, int], ...], mesh: Any) -> None:
         self.dtype, self.shape, self.local, self.placements = shell.dtype, shell.shape, local, placements
         self.coordinate = coordinate_of(mesh)
+        self.sharded_tensor = False
 
 
 def placement(p: Any) -> Tuple[str, int]:
@@ -123,3 +136,23 @@ def finish_dtensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
     if not isinstance(placements, (list, tuple)):
         return None
     return DTensorPiece(shell, state["_local_tensor"], tuple(placement(p) for p in placements), spec.field("mesh", 0))
+
+
+def finish_sharded_tensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
+    """FSDP1's SHARDED_STATE_DICT ShardedTensor as the DTensor it amounts to: one rank's rows of dim 0.
+
+    Its state is ``(local_shards, metadata, process group state, sharding spec, init_rrefs)``;
+    FSDP1 gives each rank at most one shard, a chunk of dimension 0 (the spec's ``dim``).
+    None if the state is not that.
+    """
+    if not (isinstance(state, tuple) and len(state) >= 4 and isinstance(state[0], list)):
+        return None
+    shards, _, pg, spec = state[0], state[1], state[2], state[3]
+    rank = pg.field("global_rank") if isinstance(pg, Record) else None
+    dim = spec.field("dim") if isinstance(spec, Record) else None
+    if not isinstance(rank, int) or dim != 0 or len(shards) > 1:
+        return None
+    local = shards[0].field("tensor") if shards and isinstance(shards[0], Record) else None
+    piece = DTensorPiece(shell, local, (("shard", 0),), None)
+    piece.coordinate, piece.sharded_tensor = (rank,), True
+    return piece

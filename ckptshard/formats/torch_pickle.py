@@ -32,18 +32,22 @@ from typing import Any, BinaryIO, Callable, Dict, Tuple
 
 from ..dtypes import ITEMSIZE, STORAGE_CLASSES, Size, StoredDType
 from ..errors import CheckpointError
+from ..layout.boxes import strides
 from ..tensors import DTensorRef, TensorRef
 from ..tree import map_leaves
 from .torch_distributed import (
     DTENSOR_NAMES,
+    SHARDED_TENSOR_NAMES,
     DTensorPiece,
     DTensorType,
     Record,
     WrapperShell,
     finish_dtensor,
+    finish_sharded_tensor,
     is_distributed,
     rebuild_wrapper_subclass,
     record_class,
+    record_getattr,
 )
 from .zip_records import data_start
 
@@ -98,6 +102,24 @@ def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, stat
     return data
 
 
+class _ShardedTensorType:
+    """FSDP1's ``ShardedTensor`` named as a rebuild target."""
+
+
+def _no_rows(dtype: StoredDType, shape: Tuple[int, ...]) -> _Tensor:
+    rows = (0, *shape[1:])
+    return _Tensor(_Storage(dtype, 0, 0), 0, rows, strides(rows))
+
+
+def _getattr(owner: Any, name: str) -> Any:
+    if isinstance(owner, _ShardedTensorType):
+        owner = record_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    found = record_getattr(owner, name)
+    if found is None:
+        raise Unsupported(f"getattr of {owner!r:.40}")
+    return found
+
+
 def _plain_attributes(state: Any) -> bool:
     """A tensor's ``__dict__`` of flags only, which the data does not depend on: fairscale's
     ``state_dict()`` marks its tensors ``_has_been_cloned``, and torch before 2.6 saves that along."""
@@ -107,9 +129,12 @@ def _plain_attributes(state: Any) -> bool:
 
 
 def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Tuple[Any, ...], state: Any) -> Any:
-    if isinstance(new_type, DTensorType):
+    if isinstance(new_type, (DTensorType, _ShardedTensorType)):
         shell = func(*args)
-        piece = finish_dtensor(shell, state) if isinstance(shell, WrapperShell) else None
+        finish = finish_dtensor if isinstance(new_type, DTensorType) else finish_sharded_tensor
+        piece = finish(shell, state) if isinstance(shell, WrapperShell) else None
+        if piece is not None and piece.local is None and isinstance(shell.dtype, _BareDType):
+            piece.local = _no_rows(shell.dtype.dtype, shell.shape)  # FSDP1 gives a rank past the rows no shard
         if piece is None or not isinstance(piece.local, _Tensor) or not isinstance(piece.dtype, _BareDType):
             raise Unsupported("a DTensor of another shape than FSDP2 saves")
         piece.dtype = piece.dtype.dtype
@@ -142,6 +167,7 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): record_class("torch.serialization", "_get_layout"),
 }
 _DTENSOR = DTensorType()
+_SHARDED = _ShardedTensorType()
 _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.items()}
 
 
@@ -160,6 +186,10 @@ class _Unpickler(pickle.Unpickler):
             found = _STORAGE_TYPES.get(name) or (_BareDType(name) if name in ITEMSIZE else None)
         if found is None and (module, name) in DTENSOR_NAMES:
             found = _DTENSOR
+        if found is None and (module, name) in SHARDED_TENSOR_NAMES:
+            found = _SHARDED
+        if found is None and (module, name) in (("__builtin__", "getattr"), ("builtins", "getattr")):
+            found = _getattr  # only of a torch.distributed record: ShardedTensor's nested classes
         if found is None and is_distributed(module):  # a DTensor's spec and mesh: inert records
             found = record_class(module, name)
         if found is None and self._trusted:  # --trust-pickles: any global, as torch.load(weights_only=False)
@@ -188,7 +218,7 @@ class _Unpickler(pickle.Unpickler):
 def to_refs(path: str, obj: Any) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, DTensorPiece):
-            return DTensorRef(leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate)
+            return DTensorRef(leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate, x.sharded_tensor)
         if isinstance(x, Record):
             raise Unsupported(f"a {x.qualname} outside a DTensor")
         if isinstance(x, _BareDType):

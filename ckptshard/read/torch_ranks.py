@@ -171,18 +171,36 @@ def assemble(pieces: Sequence[DTensorRef]) -> Fill:
 
 
 class TorchRanks:
-    """An opened per-rank FSDP2 checkpoint: its files and each rank's model (and optimizer) state."""
+    """An opened per-rank torch FSDP checkpoint: its files and each rank's model (and optimizer) state.
 
-    kind = "fsdp2"
+    ``kind``: ``"fsdp2"`` (DTensors) or ``"fsdp1"`` (FSDP1's SHARDED_STATE_DICT: ShardedTensors, read
+    as the DTensors they amount to). FSDP1's optimizer files hold slices of flat parameters, which
+    ckptshard does not read yet: their commands say so rather than guess.
+    """
 
     def __init__(self, files: RankFiles, models: List[Any]) -> None:
         self.files = files
         self.world_size = files.world_size
         self.models = [_model_dict(t, p) for t, p in zip(models, files.model)]
+        kinds = [{v.sharded_tensor for v in sd.values() if isinstance(v, DTensorRef)} for sd in self.models]
+        if any(len(k) > 1 for k in kinds) or len(set().union(*kinds)) > 1:
+            bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
+            raise CheckpointError(f"{bad}: FSDP1 (ShardedTensor) and FSDP2 (DTensor) files mixed in one checkpoint")
+        self.kind = "fsdp1" if True in kinds[0] else "fsdp2"
         self._check_models()
-        self.optims = [self._optim(p) for p in files.optim] if files.optim else None
-        if self.optims is not None:
+        self.optims = None
+        if files.optim and self.kind == "fsdp2":
+            self.optims = [self._optim(p) for p in files.optim]
             self._check_optims()
+
+    def no_fsdp1_optimizer(self, what: str) -> None:
+        """Refuse ``what`` where it would need FSDP1's optimizer files."""
+        if self.kind == "fsdp1" and self.files.optim:
+            raise CheckpointError(
+                f"{self.files.optim[0]}: FSDP1's raw optimizer state (slices of flat parameters) is not read by "
+                f"ckptshard yet, so it cannot {what}; the model files can be consolidated or converted alone "
+                "(consolidate without --optimizer, convert --no-optimizer)"
+            )
 
     def _check_models(self) -> None:
         first, W = self.models[0], self.world_size
@@ -258,6 +276,7 @@ class TorchRanks:
 
     def optimizer_ids(self) -> List[Tuple[int, str]]:
         """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
+        self.no_fsdp1_optimizer("read the optimizer state")
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
         ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
@@ -281,8 +300,8 @@ class TorchRanks:
 
     def full_optimizer(self) -> Dict[str, Any]:
         """As ``get_optimizer_state_dict(model, optim, full_state_dict=True)`` gives it: keyed by name."""
+        pairs = self.optimizer_ids()  # refuses where there is none to read
         assert self.optims is not None
-        pairs = self.optimizer_ids()
         name_of = dict(pairs)
         state: Dict[str, Dict[str, Any]] = {}
         for pid, name in pairs:

@@ -1,4 +1,4 @@
-"""torch FSDP2 per-rank files (verl's layout) against real FSDP2 runs on gloo: consolidate, reshard, resume.
+"""torch FSDP per-rank files (verl's layout) against real FSDP2 and FSDP1 runs on gloo.
 
 The oracles are torch's own: ``get_model_state_dict``/``get_optimizer_state_dict``
 (full) of the training run for consolidate, and the files FSDP2 at N itself
@@ -18,7 +18,7 @@ from conftest import _once
 
 import ckptshard
 from ckptshard.errors import CheckpointError
-from ckptshard.testing import fsdp2_ranks
+from ckptshard.testing import torch_fsdp_runs
 
 SOURCES = (1, 2, 3, 4)
 PAIRS = ((3, 2), (2, 4), (1, 3), (4, 1))
@@ -28,22 +28,24 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+CODE = hashlib.sha256(pathlib.Path(torch_fsdp_runs.__file__).read_bytes()).hexdigest()[:8]  # fixtures' cache key
+
+
 @pytest.fixture(scope="module")
 def runs(cache_root):
-    code = hashlib.sha256(pathlib.Path(fsdp2_ranks.__file__).read_bytes()).hexdigest()[:8]
     return {
-        w: _once(cache_root / f"fsdp2-ws{w}-{code}", lambda d, w=w: fsdp2_ranks.build_fsdp2_run(d, w)) for w in SOURCES
+        w: _once(cache_root / f"fsdp2-ws{w}-{CODE}", lambda d, w=w: torch_fsdp_runs.build_fsdp2_run(d, w))
+        for w in SOURCES
     }
 
 
 @pytest.fixture(scope="module")
 def torch_files(runs, cache_root):
     """(M, N) -> torch's own files at N of run M's full state."""
-    code = hashlib.sha256(pathlib.Path(fsdp2_ranks.__file__).read_bytes()).hexdigest()[:8]
     return {
         (m, n): _once(
-            cache_root / f"fsdp2-torch-{m}to{n}-{code}",
-            lambda d, m=m, n=n: fsdp2_ranks.torch_at(str(runs[m] / "ref"), d, n),
+            cache_root / f"fsdp2-torch-{m}to{n}-{CODE}",
+            lambda d, m=m, n=n: torch_fsdp_runs.torch_at(str(runs[m] / "ref"), d, n),
         )
         for m, n in PAIRS
     }
@@ -117,8 +119,8 @@ def test_reshard_writes_what_fsdp2_at_n_saves(runs, resharded, torch_files, pair
 
 
 def test_resume_from_reshard_matches_resume_from_torchs_files(resharded, torch_files, tmp_path):
-    fsdp2_ranks.step_from(str(resharded[(3, 2)]), str(tmp_path / "ours.pt"), 2)
-    fsdp2_ranks.step_from(str(torch_files[(3, 2)]), str(tmp_path / "theirs.pt"), 2)
+    torch_fsdp_runs.step_from(str(resharded[(3, 2)]), str(tmp_path / "ours.pt"), 2)
+    torch_fsdp_runs.step_from(str(torch_files[(3, 2)]), str(tmp_path / "theirs.pt"), 2)
     _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
 
 
@@ -182,7 +184,7 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, damage, messag
 @pytest.mark.parametrize("m, n", [(3, 2), (1, 4)])
 def test_convert_to_dcp_loads_into_fsdp2_at_any_world_size(runs, m, n, tmp_path):
     ckptshard.convert(str(runs[m]), str(tmp_path / "dcp"), "dcp", progress=False)
-    fsdp2_ranks.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), n)
+    torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), n)
     full = _load(tmp_path / "full.pt")
     _assert_equal(full["model"], _load(runs[m] / "ref" / "full_model.pt"), "model")
     _assert_equal(full["optim"], _load(runs[m] / "ref" / "full_optim.pt"), "optim")
@@ -197,3 +199,45 @@ def test_inspect_names_every_tensor_once_and_the_tie(runs):
     assert by_name["head.weight"]["placement"] == "Shard(0), tied to embed.weight"
     assert by_name["position_scale"]["placement"].startswith("plain")
     assert s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+@pytest.fixture(scope="module")
+def fsdp1_runs(cache_root):
+    return {
+        w: _once(cache_root / f"fsdp1-ws{w}-{CODE}", lambda d, w=w: torch_fsdp_runs.build_fsdp1_run(d, w))
+        for w in (2, 3)
+    }
+
+
+@pytest.mark.parametrize("w", (2, 3))
+def test_fsdp1_sharded_state_dict_consolidates_to_its_full_state_dict(fsdp1_runs, w, tmp_path):
+    ckptshard.consolidate(str(fsdp1_runs[w]), str(tmp_path / "full.pt"), progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(fsdp1_runs[w] / "ref" / "full_model.pt"), "model")
+    assert ckptshard.inspect_checkpoint(str(fsdp1_runs[w]))["kind"] == "fsdp1"
+
+
+def test_fsdp1_weights_convert_to_a_dcp_fsdp2_loads(fsdp1_runs, tmp_path):
+    ckptshard.convert(str(fsdp1_runs[3]), str(tmp_path / "dcp"), "dcp", optimizer=False, progress=False)
+    import torch.distributed.checkpoint as dcp
+
+    want = _load(fsdp1_runs[3] / "ref" / "full_model.pt")
+    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(tmp_path / "dcp")))
+    _assert_equal(got["model"], want, "model")
+
+
+def test_fsdp1_optimizer_and_reshard_are_refused_not_guessed(fsdp1_runs, runs, tmp_path):
+    src = str(fsdp1_runs[2])
+    for call, what in (
+        (lambda: ckptshard.consolidate(src, str(tmp_path / "a.pt"), optimizer=True, progress=False), "optimizer"),
+        (lambda: ckptshard.convert(src, str(tmp_path / "d"), "dcp", progress=False), "--no-optimizer"),
+        (lambda: ckptshard.reshard(src, str(tmp_path / "r"), 3, progress=False), "cannot be resharded"),
+    ):
+        with pytest.raises(CheckpointError, match=what):
+            call()
+    assert not list(tmp_path.iterdir())
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fsdp1_runs[2], mixed)
+    shutil.copy(runs[2] / "model_world_size_2_rank_1.pt", mixed / "model_world_size_2_rank_1.pt")
+    with pytest.raises(CheckpointError, match="FSDP1 .ShardedTensor. and FSDP2 .DTensor. files mixed"):
+        ckptshard.consolidate(str(mixed), str(tmp_path / "m.pt"), progress=False)

@@ -1,4 +1,4 @@
-"""Real torch FSDP2 per-rank checkpoints, saved as verl saves them, and torch's own view at other world sizes.
+"""Real torch FSDP per-rank checkpoints, saved as verl saves them, and torch's own view at other world sizes.
 
 ``build_fsdp2_run(out, W)`` trains :class:`TiedLM` with ``fully_shard`` on W
 gloo ranks and writes verl's layout::
@@ -14,7 +14,8 @@ gloo ranks and writes verl's layout::
 rank's state dicts as the run would: torch's own files at N, the oracle
 for reshard. ``step_from(folder, out, N)`` loads per-rank files at N the way
 verl resumes (``model.load_state_dict``, ``optimizer.load_state_dict``),
-takes one more step and saves the full state after it.
+takes one more step and saves the full state after it. ``build_fsdp1_run``
+trains the same model under FSDP1 and saves its SHARDED_STATE_DICT files.
 """
 
 from __future__ import annotations
@@ -216,3 +217,42 @@ def _dcp_worker(rank: int, world: int, folder: str, out: str) -> None:
 def load_dcp(folder: str, out: str, world: int) -> None:
     """A DCP folder loaded into FSDP2 at ``world`` with torch's own calls; the full state it then holds."""
     run_world(_dcp_worker, world, folder, out)
+
+
+def _fsdp1_worker(rank: int, world: int, out: str) -> None:
+    """FSDP1 (``use_orig_params=True``, each block and the root), saved as verl saves FSDP1 runs."""
+    from torch.distributed.fsdp import (
+        FullStateDictConfig,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    kw = {"device_id": torch.device("cpu"), "use_orig_params": True}
+    for i in range(len(model.blocks)):
+        model.blocks[i] = FSDP(model.blocks[i], **kw)
+    model = FSDP(model, **kw)
+    optim, sched = make_optimizer(model)
+    for step in range(STEPS):
+        _step(model, optim, sched, step, rank, world)
+    with FSDP.state_dict_type(
+        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
+        ShardedOptimStateDictConfig(offload_to_cpu=True),
+    ):  # fmt: skip
+        torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
+        torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
+    # offload_to_cpu with every rank gathering crashes torch on CPU (SIGSEGV); the tensors are on the CPU anyway
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        full = model.state_dict()
+    if rank == 0:
+        os.makedirs(os.path.join(out, "ref"), exist_ok=True)
+        torch.save(full, os.path.join(out, "ref", "full_model.pt"))
+
+
+def build_fsdp1_run(out: str, world: int) -> None:
+    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` its full state."""
+    os.makedirs(out, exist_ok=True)
+    run_world(_fsdp1_worker, world, out)
