@@ -242,7 +242,8 @@ def consolidate(
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
     Args:
-        src: the shards: a folder, one shard file (its siblings are found) or a VISSL shard_list file.
+        src: the shards: a folder, one shard file (its siblings are found) or a VISSL shard_list file;
+            or torch FSDP2/FSDP1 per-rank files (verl's folder, or one rank-numbered file per rank).
         out: ``OUT.safetensors``, ``OUT.pt`` (torch.save), or a folder with ``max_shard_size``.
         max_shard_size: write index-sharded safetensors files of at most this many bytes.
         container: keep the source framework's container around the weights (torch.save output only).

@@ -98,7 +98,8 @@ def convert(
     """Convert ``src`` (fairscale shards or a DCP folder) into format ``to`` at ``out``.
 
     Args:
-        src: fairscale shards (folder, one shard file or a VISSL shard_list) or a DCP folder.
+        src: fairscale shards (folder, one shard file or a VISSL shard_list), a DCP folder, or torch
+            FSDP2/FSDP1 per-rank files (to ``"dcp"``, ``"torch"`` or ``"safetensors"``).
         out: the output: a folder for ``"dcp"``, ``"fairscale"`` or index-sharded safetensors, else a file.
         to: ``"dcp"`` (torch FSDP2 loads it at any world size), ``"torch"``, ``"safetensors"`` or
             ``"fairscale"`` (from DCP, with ``like`` and ``world_size``).

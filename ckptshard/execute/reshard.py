@@ -173,7 +173,8 @@ def reshard(
     each file's container is carried, file names follow the source's.
 
     Args:
-        src: the shards: a folder, one shard file or a VISSL shard_list file.
+        src: the shards: a folder, one shard file or a VISSL shard_list file; or torch FSDP2 per-rank
+            files (written as FSDP2 at ``world_size`` saves them, see ``docs/torch-fsdp.md``).
         dst: the folder to create.
         world_size: the number of ranks to shard for.
         overwrite: replace an existing folder that ckptshard wrote (never anything else).
