@@ -27,6 +27,7 @@ def test_same_world_size_is_bit_exact(results):
         "load and re-save, no step",
         "consolidated, loaded before head wrapping",
         "consolidated, loaded after head wrapping",
+        "torch FSDP2 (verl files), same world size",
     ):
         assert results[name].max_abs == 0.0 and not results[name].problems, name
 
@@ -38,6 +39,7 @@ def test_other_world_sizes_within_tolerance_and_not_trivially(results):
         "reshard 2->3",
         "reshard 3->1",
         "two param groups, head listed first, reshard 2->3",
+        "torch FSDP2 (verl files), reshard 2->3",
     ):
         assert 0 < results[name].max_rel <= TOLERANCE, name  # reduction order differs, a little
 
@@ -46,6 +48,8 @@ def test_negative_control_is_caught(results):
     r = results["negative control: no optimizer state"]
     assert not r.matched and r.verdict == "mismatch (expected)"
     assert r.max_rel > 1e-3 and any("step" in p for p in r.problems)
+    r = results["FSDP2 negative control: no optimizer state"]
+    assert not r.matched and r.verdict == "mismatch (expected)" and r.max_rel > 1e-3
 
 
 def test_cli_table_json_and_exit_code():

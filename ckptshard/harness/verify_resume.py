@@ -21,7 +21,7 @@ from ..errors import CheckpointError
 from ..execute.consolidate import consolidate
 from ..execute.reshard import reshard
 from ..fsdp.launch import run_world
-from .compare import Diff, compare_checkpoints, compare_local, compare_losses
+from .compare import Diff, compare_checkpoints, compare_local, compare_losses, compare_state
 from .worker import CONTAINER_FILES, train_worker
 
 TOLERANCE = 1e-5
@@ -36,6 +36,7 @@ class Scenario:
     variant: str = "fp32"
     optimizer: bool = True
     expect_mismatch: bool = False
+    framework: str = "fairscale"  # or "fsdp2": torch's fully_shard, verl's per-rank files
 
     @property
     def exact(self) -> bool:
@@ -55,6 +56,17 @@ DEFAULT_SCENARIOS: Tuple[Scenario, ...] = (
     Scenario("two param groups, head listed first, reshard 2->3", 2, 3, "reshard", variant="groups"),
     Scenario("negative control: no optimizer state", 2, 2, "local", optimizer=False, expect_mismatch=True),
     Scenario("load and re-save, no step", 2, 2, "resave"),
+    Scenario("torch FSDP2 (verl files), same world size", 2, 2, "local", framework="fsdp2"),
+    Scenario("torch FSDP2 (verl files), reshard 2->3", 2, 3, "reshard", framework="fsdp2"),
+    Scenario(
+        "FSDP2 negative control: no optimizer state",
+        2,
+        2,
+        "local",
+        optimizer=False,
+        expect_mismatch=True,
+        framework="fsdp2",
+    ),
 )
 
 
@@ -105,6 +117,10 @@ def run_scenarios(
     if container not in CONTAINER_FILES:
         raise CheckpointError(f"--container {container!r}: one of {', '.join(CONTAINER_FILES)}")
     base_job = {"seed": seed, "device": device, "container": container}
+    fsdp2 = [sc for sc in scenarios if sc.framework == "fsdp2"]
+    if fsdp2 and device != "cpu":
+        raise CheckpointError("the torch FSDP2 scenarios run on the CPU only")
+    scenarios = [sc for sc in scenarios if sc.framework != "fsdp2"]
     baselines: Dict[Tuple[str, int], str] = {}
     for sc in scenarios:
         key = (sc.variant, sc.train_ws)
@@ -179,6 +195,7 @@ def run_scenarios(
                 diff.problems[:5],
             )
         )
+    results += [fsdp2_scenario(work, sc, steps, ckpt_step) for sc in fsdp2]
     before = [s.name for s in scenarios if s.via == "consolidated-before"]
     after = [s.name for s in scenarios if s.via == "consolidated-after"]
     if before and after:
@@ -243,6 +260,40 @@ def reshard_scenario(spec: str) -> Scenario:
     if a < 1 or b < 1:
         raise CheckpointError(f"--reshard {spec!r}: world sizes must be >= 1")
     return Scenario(f"reshard {a}->{b}", a, b, "reshard")
+
+
+def fsdp2_scenario(work: str, sc: Scenario, steps: int, ckpt_step: int) -> Result:
+    """torch FSDP2: uninterrupted at ``train_ws``, or stopped after ``ckpt_step`` (verl's per-rank files),
+    resharded by ckptshard to ``resume_ws`` where it differs, and resumed; full states and losses compared."""
+    from ..testing.torch_fsdp_runs import resume_run
+
+    folder = os.path.join(work, _slug(sc.name))
+    shutil.rmtree(folder, ignore_errors=True)
+    ckpt, base = os.path.join(folder, "ckpt"), os.path.join(folder, "uninterrupted")
+    resume_run(sc.train_ws, {"start": 0, "stop": steps, "save_at": ckpt_step, "ckpt": ckpt, "final": base})
+    src = ckpt
+    if sc.resume_ws != sc.train_ws:
+        src = os.path.join(folder, "resharded")
+        reshard(ckpt, src, sc.resume_ws, progress=False)
+    final = os.path.join(folder, "resumed")
+    job = {"start": ckpt_step, "stop": steps, "load": src, "optimizer": sc.optimizer, "final": final}
+    resume_run(sc.resume_ws, job)
+    a = torch.load(os.path.join(base, "full.pt"), weights_only=True)
+    b = torch.load(os.path.join(final, "full.pt"), weights_only=True)
+    diff = Diff()
+    compare_state({"model": a["model"], "optim": a["optim"]}, {"model": b["model"], "optim": b["optim"]}, diff, "")
+    compare_losses(a["losses"][ckpt_step:], b["losses"], diff)
+    matched = _verdict(diff, sc.exact)
+    return Result(
+        sc.name,
+        f"{sc.train_ws}->{sc.resume_ws}",
+        f"{ckpt_step}..{steps} of {steps}",
+        diff.max_abs,
+        diff.max_rel,
+        matched,
+        not sc.expect_mismatch,
+        diff.problems[:5],
+    )
 
 
 def _backend(device: str) -> str:
