@@ -20,7 +20,8 @@ writes into fresh tensors instead.
 
 gloo in torch 2.0 has no ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor`` (``_all_gather_base``, ``_reduce_scatter_base``),
-which fairscale calls whenever torch names them: where gloo refuses one,
+which fairscale calls whenever torch names them, and before that no
+``reduce_scatter`` at all (fairscale 0.3's): where gloo refuses one,
 the layer answers it with ``all_gather`` into the output's chunks, or an
 ``all_reduce`` of which this rank keeps its chunk (the same sums; every rank
 adds in one order, so runs stay deterministic).
@@ -144,6 +145,12 @@ class _GlooCollectives(types.ModuleType):
         if not self._try("_all_gather_base", output, input, group=group):
             self._real.all_gather(list(output.chunk(self._real.get_world_size(group))), input, group=group)
 
+    def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], group: Any = None) -> None:
+        if not self._try("reduce_scatter", output, input_list, group=group):  # fairscale before 0.4 calls it
+            total = torch.stack(input_list)
+            self._real.all_reduce(total, group=group)
+            output.copy_(total[self._real.get_rank(group)])
+
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, group: Any = None) -> None:
         if not self._try("_reduce_scatter_base", output, input, group=group):
             total = input.clone()
@@ -181,7 +188,10 @@ def install_cpu_compat(force: bool = False) -> bool:
         return True
     if not (force or needs_cpu_compat()):
         return False
-    from fairscale.internal import reduce_scatter_bucketer
+    try:
+        from fairscale.internal import reduce_scatter_bucketer
+    except ImportError:  # fairscale before 0.4
+        from fairscale.utils import reduce_scatter_bucketer  # type: ignore[no-redef]
     from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
 
     fake = _FakeCuda()

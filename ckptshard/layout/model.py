@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import Size
 from ..errors import CheckpointError
@@ -77,6 +77,9 @@ class FsdpInstance:
     shared: Tuple[Tuple[str, str], ...]  # (src, dst), relative to the instance
     no_broadcast_optim_state: bool
     extra: Tuple[Tuple[str, Any], ...] = ()  # unknown metadata keys, carried as is
+    # fairscale before 0.4 wrote another metadata shape (is_flat, param_names, num_padded): True or False
+    # is its is_flat, and the metadata is written back in that shape; None for 0.4's
+    legacy_flat: Optional[bool] = field(default=None, repr=False)
 
     def local_key(self, fp: FlatParam) -> str:
         """The flat param's key in ``local_state_dict()``."""
@@ -156,12 +159,38 @@ def _shape(s: Any) -> Tuple[int, ...]:
 
 
 _KNOWN_INSTANCE_KEYS = {"fsdp_path", "params", "shared_param_info", "no_broadcast_optim_state"}
+_LEGACY_KEYS = {"is_flat", "num_padded", "param_names", "param_shapes", "param_numels"}
+
+
+def _legacy_params(entry: Mapping[str, Any], where: str) -> Dict[str, Any]:
+    """fairscale 0.3's instance metadata as 0.4's ``params``: one ``flat_param`` holding every parameter
+    (``is_flat``), or each parameter its own, unflattened, with its own padding."""
+    try:
+        names, shapes = list(entry["param_names"]), list(entry["param_shapes"])
+        numels, padded = list(entry["param_numels"]), list(entry["num_padded"])
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{where}: fairscale 0.3 param_metadata entry lacks param_names/shapes/numels") from None
+    if entry["is_flat"]:
+        if len(padded) != 1:
+            raise CheckpointError(f"{where}: {entry['fsdp_path']!r}: a flat instance with {len(padded)} paddings")
+        return {"flat_param": {"names": names, "shapes": shapes, "numels": numels, "padding": padded[0]}}
+    if not len(names) == len(shapes) == len(numels) == len(padded):
+        raise CheckpointError(f"{where}: {entry['fsdp_path']!r}: names, shapes, numels and paddings differ in length")
+    return {
+        n: {"names": [n], "shapes": [s], "numels": [k], "padding": p}
+        for n, s, k, p in zip(names, shapes, numels, padded)
+    }
 
 
 def _instance_from_metadata(entry: Mapping[str, Any], dtypes: Mapping[str, Any], where: str) -> FsdpInstance:
+    legacy = None
     try:
         path = entry["fsdp_path"]
-        params = entry["params"]
+        if "params" not in entry and "is_flat" in entry:
+            legacy = bool(entry["is_flat"])
+            params = _legacy_params(entry, where)
+        else:
+            params = entry["params"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{where}: param_metadata entry lacks fsdp_path/params") from None
     flat_params = []
@@ -184,13 +213,15 @@ def _instance_from_metadata(entry: Mapping[str, Any], dtypes: Mapping[str, Any],
                 )
             raise CheckpointError(f"{where}: metadata names {local_key!r} but the shard has no such tensor")
         flat_params.append(FlatParam(key=key, members=tuple(members), numel=offset, dtype=dtypes[local_key]))
-    extra = tuple(sorted((k, v) for k, v in entry.items() if k not in _KNOWN_INSTANCE_KEYS))
+    known = _KNOWN_INSTANCE_KEYS | (_LEGACY_KEYS if legacy is not None else set())
+    extra = tuple(sorted((k, v) for k, v in entry.items() if k not in known))
     return FsdpInstance(
         path=path,
         flat_params=tuple(flat_params),
         shared=tuple((str(s), str(d)) for s, d in entry.get("shared_param_info", [])),
         no_broadcast_optim_state=bool(entry.get("no_broadcast_optim_state", False)),
         extra=extra,
+        legacy_flat=legacy,
     )
 
 
@@ -251,6 +282,10 @@ def layout_from_metadata(
             if entry.get("fsdp_path") != inst.path:
                 raise CheckpointError(f"{where}: FSDP instance {entry.get('fsdp_path')!r} != rank 0's {inst.path!r}")
             params = entry.get("params", {})
+            if "params" not in entry and inst.legacy_flat is not None and "is_flat" in entry:
+                if bool(entry["is_flat"]) != inst.legacy_flat:
+                    raise CheckpointError(f"{where}: {inst.path!r}: is_flat differs from rank 0's")
+                params = _legacy_params(entry, where)
             if list(params) != [fp.key for fp in inst.flat_params]:
                 raise CheckpointError(f"{where}: {inst.path!r}: parameters differ from rank 0's")
             for fp in inst.flat_params:
@@ -301,6 +336,9 @@ def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
     """The ``local_metadata_dict()`` FSDP at ``world_size`` writes on ``rank``."""
     entries = []
     for inst in part.instances:
+        if inst.legacy_flat is not None:
+            entries.append(_legacy_metadata(inst, world_size, rank))
+            continue
         entry: Dict[str, Any] = {"fsdp_path": inst.path, "params": {}}
         entry["no_broadcast_optim_state"] = inst.no_broadcast_optim_state
         entry["shared_param_info"] = [tuple(x) for x in inst.shared]
@@ -315,3 +353,22 @@ def metadata_of(part: Part, world_size: int, rank: int) -> Dict[str, Any]:
             entry[k] = v
         entries.append(entry)
     return {"param_metadata": entries, "buffer_names": list(part.buffers)}
+
+
+def _legacy_metadata(inst: FsdpInstance, world_size: int, rank: int) -> Dict[str, Any]:
+    """An instance's metadata in fairscale 0.3's shape, as FSDP 0.3 at ``world_size`` writes it on ``rank``."""
+    members = [m for fp in inst.flat_params for m in fp.members]
+    pads = [0 if inst.no_broadcast_optim_state else padding(fp.numel, world_size, rank) for fp in inst.flat_params]
+    seq: Any = tuple if inst.legacy_flat else list  # as 0.3 writes them: tuples for a flat instance
+    entry: Dict[str, Any] = {
+        "fsdp_path": inst.path,
+        "is_flat": inst.legacy_flat,
+        "num_padded": pads,
+        "param_names": [m.name for m in members],
+        "param_shapes": seq(Size(m.shape) for m in members),
+        "param_numels": seq(m.numel for m in members),
+        "no_broadcast_optim_state": inst.no_broadcast_optim_state,
+    }
+    for k, v in inst.extra:
+        entry[k] = v
+    return entry
