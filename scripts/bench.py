@@ -29,6 +29,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py --optimizer        # with Adam state (3x the bytes)
     .venv/bin/python scripts/bench.py --many-instances   # 64 shards x 400 tiny FSDP instances: per-run costs
     .venv/bin/python scripts/bench.py --no-fairscale --only no-fsync --repeat 9   # the 1.2x-cp-r rows, 9 rounds
+    .venv/bin/python scripts/bench.py --fsdp2 --repeat 5   # torch FSDP2 per-rank files (verl's layout)
 """
 
 from __future__ import annotations
@@ -286,6 +287,38 @@ def interleave(
     }
 
 
+# Without ckptshard: every rank's file in memory, each DTensor's pieces concatenated, one safetensors file.
+MERGE_IN_MEMORY = """
+import sys, torch, torch.distributed.tensor
+from safetensors.torch import save_file
+src, n, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ranks = [torch.load(f"{src}/model_world_size_{n}_rank_{r}.pt", weights_only=True) for r in range(n)]
+save_file({k: torch.cat([sd[k].to_local() for sd in ranks]) for k in ranks[0]}, out)
+"""
+
+
+def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str, Tuple[float, int, float]]:
+    """FSDP2 per-rank files (verl's names): consolidate and reshard against cp -r and an in-memory merge."""
+    src = os.path.join(work, f"fsdp2-{size_gib:g}g-{ranks}")
+    if not os.path.isdir(src):
+        code = (
+            "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
+            f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}))"
+        )
+        subprocess.run([PY, "-c", code, src], check=True)
+    out = os.path.join(work, "out")
+    cli = [PY, "-m", "ckptshard.cli"]
+    cases = [
+        ("cp -r", ["cp", "-r", src, out]),
+        ("ckptshard consolidate -> .safetensors --no-fsync", [*cli, "consolidate", src, "-o", out + ".safetensors",
+                                                             "-q", "--no-fsync"]),
+        ("ckptshard reshard 8->3 --no-fsync", [*cli, "reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
+        ("all ranks in memory, torch.cat, save_file", [PY, "-c", MERGE_IN_MEMORY, src, str(ranks),
+                                                       out + ".safetensors"]),
+    ]  # fmt: skip
+    return interleave(cases, repeat, src, out, lambda name, cmd: src)
+
+
 MANY = (64, 400, 0.25)  # shards, FSDP instances, GiB of weights (+ Adam state: 0.75 GiB in all)
 
 
@@ -351,6 +384,11 @@ def main() -> None:
         f"({3 * MANY[2]:g} GiB), resharded to 48 and consolidated: the per-run costs",
     )
     ap.add_argument(
+        "--fsdp2",
+        action="store_true",
+        help="instead: torch FSDP2 per-rank files (verl's layout), consolidated and resharded 8->3",
+    )
+    ap.add_argument(
         "--only",
         default="",
         metavar="REGEX",
@@ -380,6 +418,11 @@ def main() -> None:
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM; "
         f"python {sys.version.split()[0]}; warm page cache\n"
     )
+    if args.fsdp2:
+        PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
+        size = float(args.sizes.split(",")[0])
+        print(table(size, bench_fsdp2(args.work, size, args.shards, args.repeat)), flush=True)
+        return
     if args.many_instances:
         PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
         print(table(3 * MANY[2], bench_many(args.work, args.repeat)), flush=True)

@@ -119,3 +119,23 @@ def write_synthetic(
         paths.append(path)
         del model, state, obj
     return paths
+
+
+def write_synthetic_fsdp2(out: str, world_size: int, layers: int, width: int) -> None:
+    """verl-style FSDP2 per-rank files (``model_world_size_{W}_rank_{r}.pt``) of ``layers`` Linear layers,
+    each weight a DTensor of ``width`` + 1 rows (uneven over most world sizes), made over a fake process group."""
+    from ..layout.dim_shards import chunk_sizes
+    from ..write.dtensor_mesh import dtensor_of, fake_mesh
+
+    os.makedirs(out, exist_ok=True)
+    rows = width + 1
+    for r in range(world_size):
+        sizes = chunk_sizes(rows, world_size)
+        g = torch.Generator().manual_seed(r)
+        with fake_mesh(world_size, r) as mesh:
+            sd = {}
+            for i in range(layers):
+                local = torch.randn(sizes[r], width, generator=g)
+                sd[f"layers.{i}.weight"] = dtensor_of(local, mesh, (rows, width), (("shard", 0),))
+                sd[f"layers.{i}.bias"] = dtensor_of(torch.randn(sizes[r], generator=g), mesh, (rows,), (("shard", 0),))
+            torch.save(sd, os.path.join(out, f"model_world_size_{world_size}_rank_{r}.pt"))
