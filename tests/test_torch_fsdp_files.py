@@ -236,8 +236,25 @@ def test_fsdp1_optimizer_and_reshard_are_refused_not_guessed(fsdp1_runs, runs, t
         with pytest.raises(CheckpointError, match=what):
             call()
     assert not list(tmp_path.iterdir())
+    with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param"):
+        ckptshard.consolidate(str(fsdp1_runs[2] / "local"), str(tmp_path / "l.pt"), progress=False)
     mixed = tmp_path / "mixed"
     shutil.copytree(fsdp1_runs[2], mixed)
     shutil.copy(runs[2] / "model_world_size_2_rank_1.pt", mixed / "model_world_size_2_rank_1.pt")
     with pytest.raises(CheckpointError, match="FSDP1 .ShardedTensor. and FSDP2 .DTensor. files mixed"):
         ckptshard.consolidate(str(mixed), str(tmp_path / "m.pt"), progress=False)
+
+
+def test_bf16_mixed_precision_run_stores_fp32_and_reshards_like_torch(cache_root, torch_files, runs, tmp_path):
+    """verl trains FSDP2 with bf16 compute over fp32 shards: the files hold fp32, read and re-cut the same way."""
+    src = _once(cache_root / f"fsdp2-bf16-ws3-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 3, bf16=True))
+    ckptshard.consolidate(str(src), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), _load(src / "ref" / "full_optim.pt"), "optim")
+    assert all(v.dtype == torch.float32 for v in _load(tmp_path / "full.pt").values() if v.is_floating_point())
+    ckptshard.reshard(str(src), str(tmp_path / "r2"), 2, progress=False)
+    torch_fsdp_runs.torch_at(str(src / "ref"), str(tmp_path / "t2"), 2)
+    for r in range(2):
+        for kind in ("model", "optim"):
+            name = f"{kind}_world_size_2_rank_{r}.pt"
+            _assert_equal(_load(tmp_path / "r2" / name), _load(tmp_path / "t2" / name), name)

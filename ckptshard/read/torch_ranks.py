@@ -187,6 +187,13 @@ class TorchRanks:
             bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
             raise CheckpointError(f"{bad}: FSDP1 (ShardedTensor) and FSDP2 (DTensor) files mixed in one checkpoint")
         self.kind = "fsdp1" if True in kinds[0] else "fsdp2"
+        flat = next((k for k in self.models[0] if k.rsplit(".", 1)[-1] in ("flat_param", "_flat_param")), None)
+        if flat is not None:
+            raise CheckpointError(
+                f"{files.model[0]}: an FSDP1 LOCAL_STATE_DICT ({flat}: one flat parameter per FSDP unit, which "
+                "does not record the parameters it holds); ckptshard reads SHARDED_STATE_DICT files (verl's "
+                "default): save with that, or with FULL_STATE_DICT"
+            )
         self._check_models()
         self.optims = None
         if files.optim and self.kind == "fsdp2":

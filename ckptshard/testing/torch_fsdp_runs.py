@@ -59,20 +59,23 @@ class TiedLM(nn.Module):
         self.register_buffer("position_scale", torch.linspace(0.5, 1.5, 5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) * self.position_scale[: tokens.shape[1], None]
+        x = self.embed(tokens)
+        x = x * self.position_scale[: tokens.shape[1], None].to(x.dtype)  # buffers stay fp32 under bf16 compute
         for b in self.blocks:
             x = b(x) * self.gate[0] + x * self.gate[1]
         return self.head(x)
 
 
-def wrapped(seed: int = 0) -> Any:
-    from torch.distributed.fsdp import fully_shard
+def wrapped(seed: int = 0, bf16: bool = False) -> Any:
+    """TiedLM under ``fully_shard``; ``bf16``: bf16 compute over fp32 shards (verl's mixed precision)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = TiedLM()
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
     for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
     return model
 
 
@@ -167,12 +170,12 @@ def _save_rank_files(folder: str, model: Any, optim: Any, sched: Any, rank: int,
             json.dump({"vocab_size": VOCAB, "hidden_size": DIM}, f)
 
 
-def _train_worker(rank: int, world: int, out: str) -> None:
+def _train_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
     import numpy as np
 
     np.random.seed(rank)
     random.seed(rank)
-    model = wrapped()
+    model = wrapped(bf16=bf16)
     optim, sched = make_optimizer(model)
     for step in range(STEPS):
         _step(model, optim, sched, step, rank, world)
@@ -184,8 +187,8 @@ def _train_worker(rank: int, world: int, out: str) -> None:
         torch.save(full["optim"], os.path.join(out, "ref", "full_optim.pt"))
 
 
-def build_fsdp2_run(out: str, world: int) -> None:
-    run_world(_train_worker, world, out)
+def build_fsdp2_run(out: str, world: int, bf16: bool = False) -> None:
+    run_world(_train_worker, world, out, bf16)
 
 
 def _torch_at_worker(rank: int, world: int, ref: str, out: str) -> None:
@@ -280,6 +283,9 @@ def _fsdp1_worker(rank: int, world: int, out: str) -> None:
     ):  # fmt: skip
         torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
         torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):  # the flat parameters themselves
+        os.makedirs(os.path.join(out, "local"), exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(out, "local", f"model_world_size_{world}_rank_{rank}.pt"))
     # offload_to_cpu with every rank gathering crashes torch on CPU (SIGSEGV); the tensors are on the CPU anyway
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
         full = model.state_dict()
@@ -289,6 +295,7 @@ def _fsdp1_worker(rank: int, world: int, out: str) -> None:
 
 
 def build_fsdp1_run(out: str, world: int) -> None:
-    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` its full state."""
+    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` its full state,
+    ``local/`` its LOCAL_STATE_DICT files."""
     os.makedirs(out, exist_ok=True)
     run_world(_fsdp1_worker, world, out)
