@@ -308,14 +308,16 @@ def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str
         subprocess.run([PY, "-c", code, src], check=True)
     out = os.path.join(work, "out")
     cli = [PY, "-m", "ckptshard.cli"]
+    merged = out + ".safetensors"
     cases = [
         ("cp -r", ["cp", "-r", src, out]),
-        ("ckptshard consolidate -> .safetensors --no-fsync", [*cli, "consolidate", src, "-o", out + ".safetensors",
-                                                             "-q", "--no-fsync"]),
+        (
+            "ckptshard consolidate -> .safetensors --no-fsync",
+            [*cli, "consolidate", src, "-o", merged, "-q", "--no-fsync"],
+        ),
         ("ckptshard reshard 8->3 --no-fsync", [*cli, "reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
-        ("all ranks in memory, torch.cat, save_file", [PY, "-c", MERGE_IN_MEMORY, src, str(ranks),
-                                                       out + ".safetensors"]),
-    ]  # fmt: skip
+        ("all ranks in memory, torch.cat, save_file", [PY, "-c", MERGE_IN_MEMORY, src, str(ranks), merged]),
+    ]
     return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
 

@@ -69,5 +69,5 @@ def resharded_optimizer(ranks: TorchRanks, world: int, rank: int) -> Dict[str, A
     for pid, entry in first["state"].items():
         state[pid] = {k: plan.value([o["state"][pid][k] for o in ranks.optims]) for k in entry}
     groups: List[Dict[str, Any]] = [dict(g) for g in first["param_groups"]]
-    return {**{k: v for k, v in first.items() if k not in ("state", "param_groups")}, "state": state,
-            "param_groups": groups}  # fmt: skip
+    others = {k: v for k, v in first.items() if k not in ("state", "param_groups")}
+    return {**others, "state": state, "param_groups": groups}

@@ -105,7 +105,8 @@ def has_dtensors(tree: Any) -> bool:
 
 
 def find_torch_ranks(src: str) -> Optional[Tuple[RankFiles, List[Any]]]:
-    """The per-rank files ``src`` names and their model trees, if they are torch FSDP2's; else None."""
+    """The per-rank files ``src`` names and their model trees, if they are torch FSDP's (DTensors or
+    ShardedTensors); else None."""
     files = find_verl(src)
     if files is not None:
         return files, [_read(p) for p in files.model]
@@ -118,10 +119,8 @@ def find_torch_ranks(src: str) -> Optional[Tuple[RankFiles, List[Any]]]:
         return None
     if not has_dtensors(first):
         return None
-    files = RankFiles(
-        os.path.dirname(shards.paths[0]), len(shards.paths), shards.paths, verl=False, head=shards.head,
-        tail=shards.tail,
-    )  # fmt: skip
+    folder, world = os.path.dirname(shards.paths[0]), len(shards.paths)
+    files = RankFiles(folder, world, shards.paths, verl=False, head=shards.head, tail=shards.tail)
     return files, [first] + [_read(p) for p in shards.paths[1:]]
 
 

@@ -277,10 +277,8 @@ def _fsdp1_worker(rank: int, world: int, out: str) -> None:
     optim, sched = make_optimizer(model)
     for step in range(STEPS):
         _step(model, optim, sched, step, rank, world)
-    with FSDP.state_dict_type(
-        model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True),
-        ShardedOptimStateDictConfig(offload_to_cpu=True),
-    ):  # fmt: skip
+    sharded = (ShardedStateDictConfig(offload_to_cpu=True), ShardedOptimStateDictConfig(offload_to_cpu=True))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, *sharded):
         torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
         torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):  # the flat parameters themselves
