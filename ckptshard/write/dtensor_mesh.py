@@ -24,8 +24,17 @@ def fake_mesh(world: int, rank: int) -> Iterator[Any]:
             "writing torch FSDP2 files needs this process free of a process group: "
             "run the conversion as one process (not under torchrun, not inside training)"
         )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    try:
+        import torch.distributed.tensor
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        import torch
+
+        raise CheckpointError(
+            f"writing torch FSDP2 files needs torch 2.5 or newer (DTensor, a fake process group); "
+            f"this is torch {torch.__version__} ({e})"
+        ) from None
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
