@@ -133,9 +133,11 @@ def reshape_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
 @click.pass_context
 def main(ctx: click.Context, debug: bool) -> None:
-    """Consolidate and reshard fairscale FSDP checkpoints (fairseq, metaseq, VISSL).
+    """Consolidate and reshard sharded FSDP checkpoints: fairscale's (fairseq, metaseq, VISSL) and torch
+    FSDP2/FSDP1 per-rank files (verl's layout).
 
-    SRC is a folder of shards, one shard file, or a VISSL shard_list file.
+    SRC is a folder of shards, one shard file, or a VISSL shard_list file; or a folder of torch FSDP
+    per-rank files (model_world_size_W_rank_R.pt, ...).
     Inputs are never modified; outputs appear whole or not at all.
     """
     ctx.ensure_object(dict)
