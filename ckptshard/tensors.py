@@ -77,6 +77,11 @@ class DTensorRef:
     coordinate: Optional[Tuple[int, ...]] = None
     sharded_tensor: bool = False  # FSDP1's SHARDED_STATE_DICT ShardedTensor, read as the DTensor it amounts to
 
+    @property
+    def tie_key(self) -> Optional[Tuple[Any, ...]]:
+        """Where its local tensor is stored, which the names of one tied parameter share; None if it is empty."""
+        return (self.local.path, self.local.offset, self.local.shape) if self.local.numel else None
+
 
 @dataclass(frozen=True)
 class Source:

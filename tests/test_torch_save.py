@@ -92,6 +92,20 @@ def test_reshard_cli_imports_no_torch(fixtures, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
 
+def _carried_values(size_type):
+    """Non-tensor values a checkpoint carries, with shapes of ``size_type`` (ckptshard's Size or torch's)."""
+    return {
+        "shapes": [size_type((2, 3))],
+        "n": -7,
+        "big": 2**40,
+        "f": 0.1,
+        "s": "é",
+        "b": b"\x00\xff",
+        "none": None,
+        "t": (1, True),
+    }
+
+
 def test_layout_matches_torch_save(tmp_path):
     """Records, alignment and the pickle's values, against torch.save of the same tree."""
     f32, i64 = StoredDType("float32"), StoredDType("int64")
@@ -100,16 +114,7 @@ def test_layout_matches_torch_save(tmp_path):
         "w": a,
         "tied": a,
         "empty": b,
-        "meta": {
-            "shapes": [Size((2, 3))],
-            "n": -7,
-            "big": 2**40,
-            "f": 0.1,
-            "s": "é",
-            "b": b"\x00\xff",
-            "none": None,
-            "t": (1, True),
-        },
+        "meta": _carried_values(Size),
     }
     skeleton = write_skeleton(str(tmp_path / "ours.pt"), tree)
     offsets = skeleton.offsets
@@ -120,16 +125,7 @@ def test_layout_matches_torch_save(tmp_path):
         {
             "w": torch.zeros(2, 3),
             "empty": torch.zeros(0, dtype=torch.int64),
-            "meta": {
-                "shapes": [torch.Size((2, 3))],
-                "n": -7,
-                "big": 2**40,
-                "f": 0.1,
-                "s": "é",
-                "b": b"\x00\xff",
-                "none": None,
-                "t": (1, True),
-            },
+            "meta": _carried_values(torch.Size),
         },
         tmp_path / "theirs.pt",
     )

@@ -143,7 +143,7 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
             nbytes = math.prod(v.shape) * itemsize_of(v.dtype)
             kind, dim = v.placements[0]
             placed = f"Shard({dim})" if kind == "shard" else "Replicate()"
-            key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+            key = v.tie_key or name
             if first_name.setdefault(key, name) != name:
                 placed, nbytes = f"{placed}, tied to {first_name[key]}", 0
         elif isinstance(v, TensorRef):

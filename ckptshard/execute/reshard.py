@@ -295,11 +295,18 @@ def reshard_ranks(
     inputs = tuple(files.paths) + tuple(os.path.join(files.folder, n) for n in files.carried())
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     with_optim = optimizer and ranks.optims is not None
-    first = [resharded_model(ranks, world, 0)] + ([resharded_optimizer(ranks, world, 0)] if with_optim else [])
-    per_rank = sum(tree_nbytes(t) for t in first)
+
+    def rank_trees(r: int) -> Dict[str, Any]:
+        trees = {"model": resharded_model(ranks, world, r)}
+        if with_optim:
+            trees["optim"] = resharded_optimizer(ranks, world, r)
+        return trees
+
+    planned = PlannedFiles(rank_trees, world)  # rank 0's plan runs every check; the others, as written
+    per_rank = planned.nbytes
     extra = sum(os.path.getsize(p) for p in files.extra or ())
     carried = sum(_disk_size(os.path.join(files.folder, n)) for n in files.carried())
-    bound = world * (sum(torch_file_size_bound(t) for t in first) + 3 * MANIFEST_ENTRY)
+    bound = world * (sum(torch_file_size_bound(t) for t in planned.first.values()) + 3 * MANIFEST_ENTRY)
     check_space(dst, bound + extra * (-(-world // ranks.world_size)) + carried)
     desc = f"reshard {ranks.world_size}->{world}"
     names: List[str] = []
@@ -311,11 +318,8 @@ def reshard_ranks(
         Hashes() as hashes,
     ):
         for r in range(world):
-            trees = [("model", resharded_model(ranks, world, r))]
-            if with_optim:
-                trees.append(("optim", resharded_optimizer(ranks, world, r)))
             with fake_mesh(world, r) as mesh:
-                for kind, tree in trees:
+                for kind, tree in planned.tree(r).items():
                     name = files.name_of(kind, r, world)
                     write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, mesh)
                     digests[name] = hashes.digest(os.path.join(tmp, name))

@@ -181,18 +181,7 @@ def run_scenarios(
             base_losses = torch.load(os.path.join(base, "final", "losses.pt"), weights_only=True)["losses"][ckpt_step:]
             compare_losses(base_losses, torch.load(os.path.join(final, "losses.pt"), weights_only=True)["losses"], diff)
             matched = _verdict(diff, sc.exact)
-        results.append(
-            Result(
-                sc.name,
-                f"{sc.train_ws}->{sc.resume_ws}",
-                f"{start}..{stop} of {steps}",
-                diff.max_abs,
-                diff.max_rel,
-                matched,
-                not sc.expect_mismatch,
-                diff.problems[:5],
-            )
-        )
+        results.append(_scenario_result(sc, f"{start}..{stop} of {steps}", diff, matched))
     results += [fsdp2_scenario(work, sc, steps, ckpt_step) for sc in fsdp2]
     before = [s.name for s in scenarios if s.via == "consolidated-before"]
     after = [s.name for s in scenarios if s.via == "consolidated-after"]
@@ -282,10 +271,14 @@ def fsdp2_scenario(work: str, sc: Scenario, steps: int, ckpt_step: int) -> Resul
     compare_state({"model": a["model"], "optim": a["optim"]}, {"model": b["model"], "optim": b["optim"]}, diff, "")
     compare_losses(a["losses"][ckpt_step:], b["losses"], diff)
     matched = _verdict(diff, sc.exact)
+    return _scenario_result(sc, f"{ckpt_step}..{steps} of {steps}", diff, matched)
+
+
+def _scenario_result(sc: Scenario, steps: str, diff: Diff, matched: bool) -> Result:
     return Result(
         sc.name,
         f"{sc.train_ws}->{sc.resume_ws}",
-        f"{ckpt_step}..{steps} of {steps}",
+        steps,
         diff.max_abs,
         diff.max_rel,
         matched,

@@ -40,7 +40,7 @@ class _Planner:
 
     def dtensor(self, pieces: Sequence[DTensorRef]) -> DTensorFill:
         first = pieces[0]
-        key = (first.local.path, first.local.offset, first.local.shape) if first.local.numel else id(first)
+        key = first.tie_key or id(first)
         if key not in self.done:
             self.done[key] = _piece(assemble(pieces), first, self.world, self.rank)
         return self.done[key]

@@ -61,8 +61,7 @@ class RankFiles:
         """The folder's other entries (``fsdp_config.json``, ``huggingface/``...), by name: copied on reshard."""
         if not self.verl:
             return []
-        ours = {os.path.basename(p) for p in self.paths}
-        return sorted(n for n in os.listdir(self.folder) if n not in ours and not VERL_NAME.match(n))
+        return sorted(n for n in os.listdir(self.folder) if not VERL_NAME.match(n))
 
 
 def find_verl(src: str) -> Optional[RankFiles]:
@@ -258,7 +257,7 @@ class TorchRanks:
         names, seen = [], set()
         for name, v in self.models[0].items():
             if isinstance(v, DTensorRef):
-                key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+                key = v.tie_key or name
                 if key not in seen:
                     seen.add(key)
                     names.append(name)
@@ -270,7 +269,7 @@ class TorchRanks:
         tied: Dict[Any, Fill] = {}
         for name, v in self.models[0].items():
             if isinstance(v, DTensorRef):
-                key = (v.local.path, v.local.offset, v.local.shape) if v.local.numel else name
+                key = v.tie_key or name
                 if key not in tied:
                     tied[key] = assemble([sd[name] for sd in self.models])
                 out[name] = tied[key]
