@@ -295,11 +295,12 @@ def reshard_ranks(
     inputs = tuple(files.paths) + tuple(os.path.join(files.folder, n) for n in files.carried())
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     with_optim = optimizer and ranks.optims is not None
+    wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
 
     def rank_trees(r: int) -> Dict[str, Any]:
-        trees = {"model": resharded_model(ranks, world, r)}
+        trees = {"model": resharded_model(ranks, world, r, wholes)}
         if with_optim:
-            trees["optim"] = resharded_optimizer(ranks, world, r)
+            trees["optim"] = resharded_optimizer(ranks, world, r, wholes)
         return trees
 
     planned = PlannedFiles(rank_trees, world)  # rank 0's plan runs every check; the others, as written

@@ -11,7 +11,7 @@ parameters, ``step`` is a plain tensor.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..read.torch_ranks import TorchRanks, assemble
@@ -31,18 +31,24 @@ def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
     return DTensorFill(local, tuple(first.shape), first.placements)
 
 
-class _Planner:
-    """Re-cuts DTensors for one rank, each whole assembled once and a tie planned once."""
+Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled once for every output rank
 
-    def __init__(self, world: int, rank: int) -> None:
+
+class _Planner:
+    """Re-cuts DTensors for one rank, a tie planned once; ``wholes`` may be shared by the ranks' planners."""
+
+    def __init__(self, world: int, rank: int, wholes: Optional[Wholes] = None) -> None:
         self.world, self.rank = world, rank
+        self.wholes: Wholes = {} if wholes is None else wholes
         self.done: Dict[Any, DTensorFill] = {}
 
     def dtensor(self, pieces: Sequence[DTensorRef]) -> DTensorFill:
         first = pieces[0]
         key = first.tie_key or id(first)
         if key not in self.done:
-            self.done[key] = _piece(assemble(pieces), first, self.world, self.rank)
+            if key not in self.wholes:
+                self.wholes[key] = assemble(pieces)
+            self.done[key] = _piece(self.wholes[key], first, self.world, self.rank)
         return self.done[key]
 
     def value(self, values: Sequence[Any]) -> Any:
@@ -54,16 +60,16 @@ class _Planner:
         return v
 
 
-def resharded_model(ranks: TorchRanks, world: int, rank: int) -> Dict[str, Any]:
-    """Rank ``rank`` of ``world``'s ``model.state_dict()``."""
-    plan = _Planner(world, rank)
+def resharded_model(ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``model.state_dict()``; ``wholes``: a cache kept across ranks."""
+    plan = _Planner(world, rank, wholes)
     return {name: plan.value([sd[name] for sd in ranks.models]) for name in ranks.models[0]}
 
 
-def resharded_optimizer(ranks: TorchRanks, world: int, rank: int) -> Dict[str, Any]:
-    """Rank ``rank`` of ``world``'s ``optimizer.state_dict()``."""
+def resharded_optimizer(ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``optimizer.state_dict()``; ``wholes``: a cache kept across ranks."""
     assert ranks.optims is not None
-    plan = _Planner(world, rank)
+    plan = _Planner(world, rank, wholes)
     first = ranks.optims[0]
     state: Dict[Any, Dict[str, Any]] = {}
     for pid, entry in first["state"].items():
