@@ -501,7 +501,22 @@ def verify(ctx: click.Context, path: str) -> None:
 
 
 @main.command("verify-resume")
-@click.option("--steps", default=6, show_default=True, help="Training steps of the uninterrupted run.")
+@click.option(
+    "--recipe",
+    default=None,
+    metavar="SPEC",
+    help="Your model, wrapping, optimizer and data: pkg.module:NAME or path/to/file.py:NAME (docs/recipes.md). "
+    "Default: the built-in VISSL-like model, and torch FSDP2 rows.",
+)
+@click.option(
+    "--from",
+    "from_checkpoint",
+    type=click.Path(exists=True),
+    default=None,
+    help="Start from this sharded checkpoint (the recipe's) instead of step 0: resumed as is at its world "
+    "size, and resharded/consolidated and resumed at each target; needs --recipe.",
+)
+@click.option("--steps", default=6, show_default=True, help="Training steps (with --from: steps after the checkpoint).")
 @click.option(
     "--ckpt-step", default=3, show_default=True, help="Step after which the checkpoint is taken and resumed from."
 )
@@ -511,20 +526,13 @@ def verify(ctx: click.Context, path: str) -> None:
     "extra",
     multiple=True,
     metavar="M->N",
-    help="Add a scenario: train at M ranks, reshard, resume at N (repeatable).",
+    help="Add a scenario: train at M ranks (with --from: the checkpoint's), reshard, resume at N (repeatable).",
 )
 @click.option(
     "--container",
     type=click.Choice(["fairseq", "metaseq"]),
-    default="fairseq",
-    show_default=True,
-    help="Container the runs save and resume from.",
-)
-@click.option(
-    "--variant",
-    type=click.Choice(["fp32", "mixed", "frozen", "groups"]),
     default=None,
-    help="Precision for every scenario (default: each scenario's own).",
+    help="Files fairscale runs save and resume from (default: the recipe's, else fairseq).",
 )
 @click.option(
     "--device",
@@ -539,39 +547,56 @@ def verify(ctx: click.Context, path: str) -> None:
     default=None,
     help="Folder for the runs' checkpoints (default: a temporary one, removed).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON (per-step losses included).")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a PNG of the per-step losses and their relative differences (needs matplotlib).",
+)
 @click.pass_context
 def verify_resume(
     ctx: click.Context,
+    recipe: Optional[str],
+    from_checkpoint: Optional[str],
     steps: int,
     ckpt_step: int,
     names: tuple,
     extra: tuple,
-    container: str,
-    variant: Optional[str],
+    container: Optional[str],
     device: str,
     work: Optional[str],
     as_json: bool,
+    plot: Optional[str],
 ) -> None:
-    """Prove that resuming works: real multi-process FSDP training of a
-    VISSL-like model, uninterrupted vs stopped, converted (local shards,
-    reshard, consolidate before/after head wrapping) and resumed. Same world
-    size must be bit-exact, other world sizes within 1e-5 relative. Exits 1
-    on any unexpected result."""
-    import dataclasses
-
+    """Prove that resuming works for your model: real multi-process FSDP
+    training of a recipe, uninterrupted vs stopped, converted by ckptshard
+    (local shards, reshard, consolidate and load before/after wrapping) and
+    resumed. Weights, optimizer state, LR scheduler, non-persistent buffers
+    and per-step losses are compared: same world size bit-exact, other world
+    sizes within the recipe's tolerance (1e-5 relative). Exits 1 on any
+    unexpected result, 2 on a bad recipe or bad arguments."""
     from .harness.verify_resume import (
         DEFAULT_SCENARIOS,
         format_table,
+        recipe_scenarios,
         reshard_scenario,
         results_json,
     )
     from .harness.verify_resume import verify_resume as run
 
+    if from_checkpoint is not None and recipe is None:
+        raise BadInput("--from needs --recipe: the model and wrapping that saved the checkpoint")
     added = _run(ctx, lambda: [reshard_scenario(s) for s in extra])
-    chosen = [s for s in DEFAULT_SCENARIOS if not (names or added) or any(n in s.name for n in names)] + added
-    if variant:
-        chosen = [dataclasses.replace(s, variant=variant) for s in chosen]
+    if recipe is None:
+        base = list(DEFAULT_SCENARIOS)
+    else:
+        from .harness.verify_resume import checkpoint_world_size
+
+        ws = _run(ctx, lambda: checkpoint_world_size(from_checkpoint)) if from_checkpoint else 2
+        base = list(recipe_scenarios(ws))
+    chosen = [s for s in base if not (names or added) or any(n in s.name for n in names)]
+    chosen += [s for s in added if all(s.name != c.name for c in chosen)]
     if not chosen:
         raise BadInput(f"no scenario matches {list(names)}")
     if device == "cuda":
@@ -580,10 +605,29 @@ def verify_resume(
         need = max(max(s.train_ws, s.resume_ws) for s in chosen)
         if torch.cuda.device_count() < need:
             raise BadInput(f"--device cuda needs {need} GPUs, found {torch.cuda.device_count()}")
+    if plot is not None:
+        from .harness.plot import check_plotting
+
+        _run(ctx, check_plotting)
     results = _run(
-        ctx, lambda: run(chosen, steps=steps, ckpt_step=ckpt_step, device=device, container=container, work=work)
+        ctx,
+        lambda: run(
+            recipe,
+            chosen,
+            steps=steps,
+            ckpt_step=ckpt_step,
+            device=device,
+            container=container,
+            from_checkpoint=from_checkpoint,
+            work=work,
+        ),
     )
     click.echo(json.dumps(results_json(results), indent=2) if as_json else format_table(results))
+    if plot is not None:
+        from .harness.plot import plot_results
+
+        _run(ctx, lambda: plot_results(results, plot))
+        click.echo(f"plot: {plot}", err=True)
     if not all(r.ok for r in results):
         sys.exit(1)
 

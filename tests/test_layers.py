@@ -24,6 +24,7 @@ LAYERS = [
     ("execute",),  # the commands: validate, plan, write, with progress
     ("fsdp",),  # live FSDP models: loading, wrapping, CPU compatibility
     ("testing",),  # real-FSDP fixtures and oracles
+    ("recipes",),  # models, wrappings and data that verify-resume runs (examples and built-ins)
     ("harness",),  # verify-resume
     ("cli", "__init__"),  # the command line and the declared library API
 ]

@@ -107,36 +107,6 @@ def _step(model: Any, optim: Any, sched: Any, step: int, rank: int, world: int) 
     return total.item() / 48
 
 
-def _resume_worker(rank: int, world: int, job: Dict[str, Any]) -> None:
-    """verify-resume's FSDP2 run: steps ``start..stop``, from ``job["load"]``'s per-rank files if given (as
-    verl resumes: model, optimizer, LR scheduler), saving them after step ``save_at``; the full state and
-    the per-step losses to ``job["final"]``."""
-    import torch.distributed.tensor
-
-    model = wrapped(seed=0)
-    optim, sched = make_optimizer(model)
-    folder = job.get("load")
-    if folder:
-        for kind, target in (("model", model), ("optim", optim))[: 2 if job.get("optimizer", True) else 1]:
-            target.load_state_dict(torch.load(os.path.join(folder, f"{kind}_world_size_{world}_rank_{rank}.pt")))
-        extra = torch.load(os.path.join(folder, f"extra_state_world_size_{world}_rank_{rank}.pt"), weights_only=False)
-        sched.load_state_dict(extra["lr_scheduler"])
-    losses = []
-    for step in range(job["start"], job["stop"]):
-        losses.append(_step(model, optim, sched, step, rank, world))
-        if step + 1 == job.get("save_at"):
-            _save_rank_files(job["ckpt"], model, optim, sched, rank, world)
-    full = _full(model, optim)
-    if rank == 0:
-        os.makedirs(job["final"], exist_ok=True)
-        torch.save({**full, "losses": losses}, os.path.join(job["final"], "full.pt"))
-
-
-def resume_run(world: int, job: Dict[str, Any]) -> None:
-    """One run of :func:`_resume_worker` on ``world`` gloo ranks."""
-    run_world(_resume_worker, world, job)
-
-
 def _full(model: Any, optim: Any) -> Dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
