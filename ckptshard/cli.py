@@ -202,6 +202,31 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 )
 @reshape_options
 @click.option(
+    "--mp-rule",
+    "mp_rules",
+    multiple=True,
+    metavar="REGEX=DIM[/G]",
+    help="Model-parallel parts (metaseq's model_part-K-shardR): join tensors whose name matches REGEX along "
+    "DIM (0: column-parallel layers, vocab-parallel embeddings; 1: row-parallel weights); /G: each part holds G "
+    "blocks along DIM (a fused qkv: 0/3). First match wins; repeatable. Every other tensor must be the same in "
+    "every part.",
+)
+@click.option(
+    "--mp-rules",
+    "mp_presets",
+    multiple=True,
+    type=click.Choice(["metaseq"]),
+    help="A preset rule set: metaseq (OPT's names; its stitch_fsdp_ckpt's split).",
+)
+@click.option(
+    "--mp-tolerance",
+    default=1e-5,
+    show_default=True,
+    type=float,
+    help="Tensors no rule splits may differ between parts by this much (relative to their largest value): "
+    "taken from part 0 with a note; beyond it, an error.",
+)
+@click.option(
     "--jobs",
     "-j",
     default=0,
@@ -228,13 +253,17 @@ def consolidate(
     select: tuple,
     strip_prefix: tuple,
     rename: tuple,
+    mp_rules: tuple,
+    mp_presets: tuple,
+    mp_tolerance: float,
     jobs: int,
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
 ) -> None:
     """Write one full state dict from the shards in SRC, streaming: memory stays
-    flat whatever the model's size."""
+    flat whatever the model's size. Several model-parallel parts are joined
+    into one model by --mp-rule/--mp-rules, or written one file per part."""
     from .execute.consolidate import consolidate as run
 
     res = _run(
@@ -253,6 +282,9 @@ def consolidate(
             rename=rename,
             dtype=dtype,
             jobs=jobs,
+            mp_rules=mp_rules,
+            mp_presets=mp_presets,
+            mp_tolerance=mp_tolerance,
         ),
     )
     if _leads():

@@ -13,8 +13,10 @@ from ..osio.hashing import Hashes
 from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..plan.consolidate import consolidated_weights, split_by_part
+from ..plan.model_parallel import MpRule, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
+from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..read.torch_ranks import TorchRanks, open_torch_ranks
 from ..tensors import Fill, tree_nbytes, with_fills
@@ -27,6 +29,7 @@ from ..write.torch_file import (
     torch_file_size_bound,
     write_torch,
 )
+from .model_parts import DEFAULT_TOLERANCE, joined_weights, part_output
 from .parallel import (
     Digests,
     leads,
@@ -238,6 +241,9 @@ def consolidate(
     rename: Sequence[str] = (),
     dtype: Optional[str] = None,
     jobs: int = 1,
+    mp_rules: Sequence[str] = (),
+    mp_presets: Sequence[str] = (),
+    mp_tolerance: float = DEFAULT_TOLERANCE,
 ) -> ConsolidateResult:
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
@@ -257,6 +263,10 @@ def consolidate(
         dtype: ``"fp32"``, ``"fp16"`` or ``"bf16"``: cast floating-point tensors.
         jobs: processes writing the files of a ``max_shard_size`` folder (0: chosen from the plan; under
             torchrun the ranks share them instead).
+        mp_rules, mp_presets, mp_tolerance: for several model-parallel parts (metaseq's
+            ``model_part-K-shardR``): ``REGEX=DIM[/GROUPS]`` rules and presets (``"metaseq"``) saying which
+            tensors tensor parallelism split (see ``ckptshard.plan.model_parallel``); every other tensor must be
+            the same in every part, within ``mp_tolerance`` (relative). Without rules, one full file per part.
 
     Returns:
         ``ConsolidateResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes), ``notes``
@@ -286,8 +296,68 @@ def consolidate(
         return _consolidate_ranks(
             ranks, out, fmt, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, max_shard_size, jobs
         )
+    parts = find_model_parts(src)
+    rules = rules_from(mp_rules, mp_presets)
+    if parts is not None:
+        return _consolidate_parts(
+            parts,
+            out,
+            fmt,
+            rules,
+            mp_tolerance,
+            container,
+            optimizer,
+            overwrite,
+            trust_pickles,
+            progress,
+            select,
+            strip_prefix,
+            renames,
+            dtype,
+            max_shard_size,
+            jobs,
+        )
+    if rules:
+        raise CheckpointError(f"{src}: --mp-rule/--mp-rules given, but it holds one model part")
     # Read (and so write) without importing torch where the files allow: its import takes seconds.
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
+    return _consolidate_checkpoint(
+        ckpt,
+        src,
+        out,
+        fmt,
+        container,
+        optimizer,
+        overwrite,
+        trust_pickles,
+        progress,
+        select,
+        strip_prefix,
+        renames,
+        dtype,
+        max_shard_size,
+        jobs,
+    )
+
+
+def _consolidate_checkpoint(
+    ckpt: ShardedCheckpoint,
+    src: str,
+    out: str,
+    fmt: str,
+    container: bool,
+    optimizer: bool,
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    max_shard_size: Optional[int],
+    jobs: int,
+) -> ConsolidateResult:
+    """One fairscale checkpoint (one model part) to ``out``."""
     inputs = tuple(ckpt.files.paths)
     run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
@@ -329,6 +399,92 @@ def consolidate(
             "read; ckptshard shard --optimizer and load_checkpoint can"
         )
     return ConsolidateResult(outputs, len(weights), total, notes)
+
+
+def _consolidate_parts(
+    files: PartFiles,
+    out: str,
+    fmt: str,
+    rules: Sequence[MpRule],
+    tolerance: float,
+    container: bool,
+    optimizer: bool,
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    select: Sequence[str],
+    strip_prefix: Sequence[str],
+    renames: Sequence[Any],
+    dtype: Optional[str],
+    max_shard_size: Optional[int],
+    jobs: int,
+) -> ConsolidateResult:
+    """K model-parallel parts: joined by ``rules`` into the model at model-parallel size 1, or without rules
+    one full file per part (``OUT-model_part-K``)."""
+    ckpts = open_model_parts(files, trust_pickles)
+    if not rules:
+        outs = [part_output(out, k) for k in range(len(ckpts))]
+        for o in outs:
+            run_checked(lambda o=o: check_output(o, overwrite, files.paths, is_dir=fmt == "safetensors-index"))
+        results = [
+            _consolidate_checkpoint(
+                c,
+                c.files.paths[0],
+                o,
+                fmt,
+                container,
+                optimizer,
+                overwrite,
+                trust_pickles,
+                progress,
+                select,
+                strip_prefix,
+                renames,
+                dtype,
+                max_shard_size,
+                jobs,
+            )
+            for c, o in zip(ckpts, outs)
+        ]
+        note = (
+            f"{len(ckpts)} model-parallel parts and no --mp-rule: one full state dict per part "
+            f"({os.path.basename(outs[0])}, ...); --mp-rules metaseq or --mp-rule REGEX=DIM joins them into one"
+        )
+        return ConsolidateResult(
+            [o for r in results for o in r.outputs],
+            sum(r.tensors for r in results),
+            sum(r.nbytes for r in results),
+            [note] + [n for r in results for n in r.notes],
+        )
+    if container or optimizer:
+        raise CheckpointError(
+            "--container/--optimizer with --mp-rule: joining model parts writes a plain state dict (consolidate "
+            "without rules writes each part's optimizer state)"
+        )
+    run_checked(lambda: check_output(out, overwrite, files.paths, is_dir=fmt == "safetensors-index"))
+    weights, notes = joined_weights(ckpts, rules, tolerance)
+    weights = transform(weights, select, strip_prefix, renames, cast_dtype(dtype))
+    total = sum(f.nbytes for f in weights.values())
+    run_checked(lambda: check_space(out, full_size_bound(fmt, weights)))
+    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and leads()) as tick:
+        write_full(
+            out,
+            fmt,
+            weights,
+            copier,
+            tick,
+            source,
+            "consolidate",
+            max_shard_size,
+            overwrite,
+            trust_pickles,
+            hashes,
+            jobs,
+        )
+        if os.path.isfile(out):
+            write_file_manifest(out, source, "consolidate", hashes)
+    return ConsolidateResult([out], len(weights), total, notes)
 
 
 def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:

@@ -10,9 +10,11 @@ from ..dtypes import itemsize_of
 from ..layout.chunking import padding
 from ..layout.model import state_dict_name
 from ..read.containers import container_summary
+from ..read.model_parts import find_model_parts, open_model_parts
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..read.torch_ranks import TorchRanks, open_torch_ranks
 from ..tensors import DTensorRef, TensorRef
+from .model_parts import summarize_parts
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -224,6 +226,10 @@ def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
     ranks = open_torch_ranks(src)
     if ranks is not None:
         return summarize_ranks(ranks)
+    parts = find_model_parts(src)
+    if parts is not None:
+        ckpts = open_model_parts(parts, trust_pickles)
+        return summarize_parts(parts, ckpts, summarize(ckpts[0]))
     return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
 
 
@@ -248,10 +254,12 @@ def format_summary(s: Dict[str, Any]) -> str:
         return _format_dcp(s)
     if s.get("format") == "fsdp2":
         return _format_ranks(s)
+    parts = s.get("model_parallel_parts")
     lines = [
         f"source      {s['source']}",
         f"container   {s['container']['kind']} ({', '.join(s['container']['parts'])})",
-        f"world size  {s['world_size']}",
+        f"world size  {s['world_size']}"
+        + (f" FSDP shards x {parts} model-parallel parts ({len(s['files'])} files); below: part 0" if parts else ""),
         f"instances   {s['fsdp_instances']} FSDP instances, {s['parameters']} parameters",
         f"size        {s['model_bytes']:,} bytes of weights and buffers; {s['padding_elements']} padding elements",
         f"fingerprint {s['fingerprint']}",

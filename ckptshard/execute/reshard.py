@@ -18,6 +18,7 @@ from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.torch_ranks import resharded_model, resharded_optimizer
 from ..read.full_state import full_state_refs
+from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint, open_checkpoint
 from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ranks
@@ -87,8 +88,9 @@ def write_rank_files(
     progress: bool,
     source: Dict[str, Any],
     jobs: int = 1,
+    names: Optional[List[str]] = None,
 ) -> ReshardResult:
-    """Write one file per planned rank tree into folder ``dst``, named like ``template``'s.
+    """Write one file per planned rank tree into folder ``dst``, named like ``template``'s (or ``names``).
 
     The whole folder appears at once when complete (VISSL gets its shard_list
     too). ``jobs`` > 1 writes files in that many local processes, else
@@ -97,7 +99,7 @@ def write_rank_files(
     """
     total, on_disk = _sizes(trees)
     count = trees.count if isinstance(trees, PlannedFiles) else len(trees)
-    names = [template.files.name_for(r) for r in range(count)]
+    names = names or [template.files.name_for(r) for r in range(count)]
     world = torchrun_world()
     if world is not None:
         return _write_distributed(template, trees, names, dst, desc, overwrite, source, on_disk, *world)
@@ -197,6 +199,9 @@ def reshard(
     ranks = open_torch_ranks(src)
     if ranks is not None:
         return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
+    parts = find_model_parts(src)
+    if parts is not None:
+        return _reshard_parts(parts, dst, world_size, overwrite, trust_pickles, progress, jobs, optimizer)
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
@@ -205,6 +210,31 @@ def reshard(
     res = write_rank_files(
         ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress, source_info(ckpt), jobs
     )
+    return _noted(res, world_size)
+
+
+def _reshard_parts(
+    files: PartFiles,
+    dst: str,
+    world_size: int,
+    overwrite: bool,
+    trust_pickles: bool,
+    progress: bool,
+    jobs: int,
+    optimizer: bool,
+) -> ReshardResult:
+    """Every model-parallel part's FSDP shards resharded to ``world_size``, the parts and names kept: each part
+    as FSDP at ``world_size`` over that part's data-parallel group saves it."""
+    ckpts = open_model_parts(files, trust_pickles)
+    run_checked(lambda: check_output(dst, overwrite, files.paths, is_dir=True))
+    for c in ckpts[1:]:  # every part's checks before any byte is written (part 0's run in PlannedFiles)
+        resharded_file(c, world_size, 0, optimizer)
+    n = world_size
+    trees = PlannedFiles(lambda i: resharded_file(ckpts[i // n], n, i % n, optimizer), len(ckpts) * n)
+    names = [ckpts[i // n].files.name_for(i % n) for i in range(len(ckpts) * n)]
+    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
+    desc = f"reshard {len(ckpts)} parts x {ckpts[0].world_size}->{n}"
+    res = write_rank_files(ckpts[0], trees, dst, desc, overwrite, progress, source, jobs, names)
     return _noted(res, world_size)
 
 

@@ -30,7 +30,7 @@ class ShardFiles:
         return f"{self.head}{rank}{self.tail}"
 
 
-def _group(
+def group_by_rank(
     names: List[str], patterns: Tuple[re.Pattern[str], ...] = (_SHARD_RE, _RANK_RE)
 ) -> Dict[Tuple[str, str], Dict[int, List[str]]]:
     """Shard names by (head, tail), then rank; the first pattern any name matches decides."""
@@ -45,7 +45,7 @@ def _group(
     return {}
 
 
-def _ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[str]]) -> Tuple[str, ...]:
+def ranks_to_paths(folder: str, head: str, tail: str, by_rank: Dict[int, List[str]]) -> Tuple[str, ...]:
     dup = {r: ns for r, ns in by_rank.items() if len(ns) > 1}
     if dup:
         r, ns = sorted(dup.items())[0]
@@ -99,7 +99,7 @@ def find_shards(src: str) -> ShardFiles:
     if not os.path.exists(src):
         raise CheckpointError(f"{src}: no such file or folder")
     if os.path.isdir(src):
-        groups = _group(sorted(os.listdir(src)))
+        groups = group_by_rank(sorted(os.listdir(src)))
         if not groups:
             raise CheckpointError(
                 f"{src}: no shard files (names like checkpoint-shard0.pt or model_rank0.pt) in this folder"
@@ -119,19 +119,19 @@ def find_shards(src: str) -> ShardFiles:
                 )
             raise CheckpointError(f"{src}: holds several checkpoints ({names}): name one shard file instead")
         (head, tail), by_rank = next(iter(groups.items()))
-        return ShardFiles(_ranks_to_paths(src, head, tail, by_rank), head, tail)
+        return ShardFiles(ranks_to_paths(src, head, tail, by_rank), head, tail)
     folder, name = os.path.split(os.path.abspath(src))
     listed = _read_shard_list(src)
     if listed is not None:
         names = [os.path.basename(s) for s in listed]
-        groups = _group(names)
+        groups = group_by_rank(names)
         if len(groups) != 1:
             raise CheckpointError(f"{src}: shard_list names files that are not one run's shards: {names}")
         (head, tail), by_rank = next(iter(groups.items()))
         for n in names:
             if not os.path.isfile(os.path.join(folder, n)):
                 raise CheckpointError(f"{src}: lists {n}, which is not in {folder}")
-        paths = _ranks_to_paths(folder, head, tail, by_rank)
+        paths = ranks_to_paths(folder, head, tail, by_rank)
         if len(paths) != len(names):
             raise CheckpointError(f"{src}: shard_list does not list ranks 0..{len(paths) - 1} exactly once")
         return ShardFiles(paths, head, tail, shard_list=os.path.abspath(src))
@@ -141,6 +141,6 @@ def find_shards(src: str) -> ShardFiles:
         # A single file that names no rank: a world-size-1 checkpoint.
         stem, ext = os.path.splitext(name)
         return ShardFiles((os.path.abspath(src),), stem + "-shard", ext or ".pt")
-    groups = _group(sorted(os.listdir(folder)), (pattern,))
+    groups = group_by_rank(sorted(os.listdir(folder)), (pattern,))
     head, tail = m["head"], m["tail"]
-    return ShardFiles(_ranks_to_paths(folder, head, tail, groups[(head, tail)]), head, tail)
+    return ShardFiles(ranks_to_paths(folder, head, tail, groups[(head, tail)]), head, tail)

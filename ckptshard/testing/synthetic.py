@@ -139,3 +139,24 @@ def write_synthetic_fsdp2(out: str, world_size: int, layers: int, width: int) ->
                 sd[f"layers.{i}.weight"] = dtensor_of(local, mesh, (rows, width), (("shard", 0),))
                 sd[f"layers.{i}.bias"] = dtensor_of(torch.randn(sizes[r], generator=g), mesh, (rows,), (("shard", 0),))
             torch.save(sd, os.path.join(out, f"model_world_size_{world_size}_rank_{r}.pt"))
+
+
+def write_synthetic_parts(
+    out: str, parts: int, world_size: int, layers: int, width: int, drift: float = 0.0, optimizer: bool = False
+) -> None:
+    """``parts`` model-parallel parts of the synthetic model, metaseq's naming
+    (``checkpoint_last-model_part-{k}-shard{r}.pt``). Every part holds the same values (all replicated), but
+    part ``k``'s root LayerNorm is scaled by ``1 + k * drift``: the drift real GPU runs show between parts."""
+    os.makedirs(out, exist_ok=True)
+    for k in range(parts):
+        tmp = os.path.join(out, f".part{k}")
+        for rank, path in enumerate(write_synthetic(tmp, world_size, layers, width, optimizer=optimizer)):
+            obj = torch.load(path, weights_only=False)
+            obj["shard_metadata"] = obj.pop("fsdp_metadata")
+            obj["optimizer_history"] = [{"num_updates": 10}]
+            if drift and k:
+                root = next(key for key in obj["model"] if "layers" not in key)
+                obj["model"][root] = obj["model"][root] * (1 + k * drift)
+            torch.save(obj, os.path.join(out, f"checkpoint_last-model_part-{k}-shard{rank}.pt"))
+            os.remove(path)
+        os.rmdir(tmp)
