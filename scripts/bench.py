@@ -30,6 +30,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py --many-instances   # 64 shards x 400 tiny FSDP instances: per-run costs
     .venv/bin/python scripts/bench.py --no-fairscale --only no-fsync --repeat 9   # the 1.2x-cp-r rows, 9 rounds
     .venv/bin/python scripts/bench.py --fsdp2 --repeat 5   # torch FSDP2 per-rank files (verl's layout)
+    .venv/bin/python scripts/bench.py --model-parts --repeat 5   # metaseq model-parallel parts (OPT-shaped plan)
 """
 
 from __future__ import annotations
@@ -354,6 +355,53 @@ def bench_many(work: str, repeat: int) -> Dict[str, Tuple[float, int, float]]:
     return interleave(cases, repeat, src, out, lambda name, cmd: src)
 
 
+PARTS_PLAN = (8, 124)  # OPT-175B as released: 8 model-parallel parts x 124 FSDP shards
+PART_RULES = ["--mp-rule", r"layers\.\d+\.(weight|bias)$=0"]
+
+
+def _gen_parts(src: str, parts: int, shards: int, width: int) -> None:
+    if not os.path.isdir(src):
+        code = (
+            "import sys; from ckptshard.testing.synthetic import write_synthetic_parts;"
+            f"write_synthetic_parts(sys.argv[1], {parts}, {shards}, {LAYERS}, {width})"
+        )
+        subprocess.run([PY, "-c", code, src], check=True)
+
+
+def bench_model_parts(work: str, size_gib: float, repeat: int) -> Dict[str, Tuple[float, int, float]]:
+    """Model-parallel parts: the OPT-175B-shaped plan (8 x 124 files of small tensors: planning, not copying),
+    each command once; then 8 parts x 8 shards of ``size_gib`` against cp -r."""
+    parts, shards = PARTS_PLAN
+    src = os.path.join(work, f"parts-{parts}x{shards}")
+    _gen_parts(src, parts, shards, 16)
+    out = os.path.join(work, "out")
+    ck = [PY, "-m", "ckptshard.cli"]
+    print(f"{parts} parts x {shards} shards ({parts * shards} files), small tensors: one run each")
+    print("| command | wall s | peak RSS MiB |\n|---|---:|---:|")
+    for name, cmd in (
+        ("inspect", ck + ["inspect", src]),
+        ("consolidate --mp-rule -> .safetensors", ck + ["consolidate", src, "-o", out + ".safetensors", *PART_RULES]),
+        (f"reshard {parts} parts x {shards}->62", ck + ["reshard", src, "-n", "62", "-o", out]),
+    ):
+        wall, rss = run([*cmd, "-q", "--no-fsync"] if name != "inspect" else cmd, src)
+        print(f"| {name} | {wall:.2f} | {rss / 2**20:.0f} |", flush=True)
+        _clean(out)
+    big = os.path.join(work, f"parts-8x8-{size_gib:g}g")
+    _gen_parts(big, 8, 8, max(4, int((size_gib * 2**30 / 8 / 4 / LAYERS) ** 0.5)))  # fp32 Linear layers
+    cases = [
+        ("cp -r", ["cp", "-r", big, out]),
+        (
+            "ckptshard consolidate 8 parts, --mp-rule -> .safetensors --no-fsync",
+            ck + ["consolidate", big, "-o", out + ".safetensors", *PART_RULES, "-q", "--no-fsync"],
+        ),
+        (
+            "ckptshard reshard 8 parts x 8->3 --no-fsync",
+            ck + ["reshard", big, "-n", "3", "-o", out, "-q", "--no-fsync"],
+        ),
+    ]
+    return interleave(cases, repeat, big, out, lambda name, cmd: big)
+
+
 def table(size_gib: float, results: Dict[str, Tuple[float, int]]) -> str:
     cp, _, cp_min = results["cp -r"]
     model = size_gib * 2**30
@@ -391,6 +439,12 @@ def main() -> None:
         help="instead: torch FSDP2 per-rank files (verl's layout), consolidated and resharded 8->3",
     )
     ap.add_argument(
+        "--model-parts",
+        action="store_true",
+        help="instead: model-parallel parts (metaseq's model_part-K-shardR): the OPT-175B-shaped plan (8 x 124 "
+        "files), then 8 x 8 shards of --sizes GiB consolidated across parts and resharded",
+    )
+    ap.add_argument(
         "--only",
         default="",
         metavar="REGEX",
@@ -424,6 +478,11 @@ def main() -> None:
         PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
         size = float(args.sizes.split(",")[0])
         print(table(size, bench_fsdp2(args.work, size, args.shards, args.repeat)), flush=True)
+        return
+    if args.model_parts:
+        PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
+        size = float(args.sizes.split(",")[0])
+        print(table(size, bench_model_parts(args.work, size, args.repeat)), flush=True)
         return
     if args.many_instances:
         PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)

@@ -222,3 +222,22 @@ def test_rules_need_several_parts_and_a_plain_output(tmp_path):
     write_synthetic(single, 2, 2, 8)
     with pytest.raises(ckptshard.CheckpointError, match="holds one model part"):
         ckptshard.consolidate(single, str(tmp_path / "g.pt"), mp_rules=["layers=0"], progress=False)
+
+
+def test_optimizer_state_joined_by_the_same_rules(run, tmp_path):
+    from ckptshard.plan.optimizer import optimizer_param_names
+    from ckptshard.read.source import open_checkpoint
+
+    src, _ = run
+    out = str(tmp_path / "full.pt")
+    res = ckptshard.consolidate(src, out, mp_presets=["metaseq"], optimizer=True, progress=False)
+    assert res.outputs == [out, str(tmp_path / "full.optim.pt")]
+    optim = torch.load(tmp_path / "full.optim.pt", weights_only=False)
+    oracle = torch.load(os.path.join(src, "ref", "gathered_moments.pt"), weights_only=True)
+    names = optimizer_param_names(open_checkpoint(os.path.join(src, PARTS.format(0, 0))))
+    assert len(optim["state"]) == len(names) == len(oracle["exp_avg"]) - 1  # the tied projection: one entry
+    for gid, name in enumerate(names):
+        entry = optim["state"][gid]
+        assert entry["step"] == 2
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[moment], oracle[moment][name]), (name, moment)

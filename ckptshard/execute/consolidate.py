@@ -29,7 +29,7 @@ from ..write.torch_file import (
     torch_file_size_bound,
     write_torch,
 )
-from .model_parts import DEFAULT_TOLERANCE, joined_weights, part_output
+from .model_parts import DEFAULT_TOLERANCE, joined_optimizer, joined_weights, part_output
 from .parallel import (
     Digests,
     leads,
@@ -456,35 +456,37 @@ def _consolidate_parts(
             sum(r.nbytes for r in results),
             [note] + [n for r in results for n in r.notes],
         )
-    if container or optimizer:
+    if container:
         raise CheckpointError(
-            "--container/--optimizer with --mp-rule: joining model parts writes a plain state dict (consolidate "
-            "without rules writes each part's optimizer state)"
+            "--container with --mp-rule: joining model parts writes a plain state dict (consolidate without "
+            "rules keeps each part's container)"
         )
     run_checked(lambda: check_output(out, overwrite, files.paths, is_dir=fmt == "safetensors-index"))
     weights, notes = joined_weights(ckpts, rules, tolerance)
     weights = transform(weights, select, strip_prefix, renames, cast_dtype(dtype))
-    total = sum(f.nbytes for f in weights.values())
-    run_checked(lambda: check_space(out, full_size_bound(fmt, weights)))
+    optim, opt_out = None, None
+    if optimizer:
+        optim, optim_notes = joined_optimizer(ckpts, rules, tolerance)
+        notes += optim_notes
+        opt_out = optimizer_path(out)
+        run_checked(lambda: check_output(opt_out, overwrite, files.paths))
+    total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
+    on_disk = full_size_bound(fmt, weights) + (torch_file_size_bound(optim) if optim else 0)
+    run_checked(lambda: check_space(out, on_disk))
     source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
+    outputs = [out]
     with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and leads()) as tick:
-        write_full(
-            out,
-            fmt,
-            weights,
-            copier,
-            tick,
-            source,
-            "consolidate",
-            max_shard_size,
-            overwrite,
-            trust_pickles,
-            hashes,
-            jobs,
-        )
-        if os.path.isfile(out):
-            write_file_manifest(out, source, "consolidate", hashes)
-    return ConsolidateResult([out], len(weights), total, notes)
+        how = (source, "consolidate", max_shard_size, overwrite, trust_pickles, hashes, jobs)
+        write_full(out, fmt, weights, copier, tick, *how)
+        if opt_out is not None and leads():
+            write_full(
+                opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles, hashes
+            )
+            outputs.append(opt_out)
+        for o in outputs:
+            if os.path.isfile(o):
+                write_file_manifest(o, source, "consolidate", hashes)
+    return ConsolidateResult(outputs, len(weights), total, notes)
 
 
 def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:

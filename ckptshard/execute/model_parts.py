@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from ..errors import CheckpointError
 from ..plan.consolidate import consolidated_weights
 from ..plan.model_parallel import MpRule, joined, rule_for, tie_groups
+from ..plan.optimizer import consolidated_optimizer, optimizer_param_names
 from ..read.model_parts import PartFiles
 from ..read.source import ShardedCheckpoint
 from ..read.tensor_data import read_fill
@@ -59,6 +60,12 @@ def joined_weights(
 ) -> Tuple[Dict[str, Fill], List[str]]:
     """The model at model-parallel size 1 (names as the live ``state_dict()``), and notes for the user."""
     per_part = [consolidated_weights(c) for c in ckpts]
+    return _joined(per_part, rules, tolerance)
+
+
+def _joined(
+    per_part: Sequence[Dict[str, Fill]], rules: Sequence[MpRule], tolerance: float
+) -> Tuple[Dict[str, Fill], List[str]]:
     names = list(per_part[0])
     for k, p in enumerate(per_part[1:], 1):
         if set(p) != set(names):
@@ -76,6 +83,44 @@ def joined_weights(
             done[key] = joined(name, fills, rule) if rule else _replicated(name, fills, tolerance, notes)
         out[name] = done[key]
     return out, notes
+
+
+def joined_optimizer(
+    ckpts: Sequence[ShardedCheckpoint], rules: Sequence[MpRule], tolerance: float = DEFAULT_TOLERANCE
+) -> Tuple[Dict[str, Any], List[str]]:
+    """The full optimizer state of the model at model-parallel size 1, in the format of one part's
+    (``gather_full_optim_state_dict``'s): each moment joined by its parameter's rule, or checked replicated."""
+    optims = [consolidated_optimizer(c) for c in ckpts]
+    if any(o is None for o in optims):
+        raise CheckpointError("--optimizer given, but a model part holds no optimizer state")
+    names = optimizer_param_names(ckpts[0])
+    ties = tie_groups(consolidated_weights(ckpts[0]))
+    first = optims[0]
+    for k, o in enumerate(optims[1:], 1):
+        if _plain(o["param_groups"]) != _plain(first["param_groups"]) or sorted(o["state"]) != sorted(first["state"]):
+            raise CheckpointError(f"model part {k}'s optimizer has other param groups or entries than part 0's")
+    state: Dict[int, Dict[str, Any]] = {}
+    notes: List[str] = []
+    for gid, entry in first["state"].items():
+        name = names[gid]
+        rule = rule_for(ties.get(name, [name]), rules)
+        out: Dict[str, Any] = {}
+        for key, value in entry.items():
+            where = f"optimizer state of {name}: {key}"
+            values = [o["state"][gid][key] for o in optims]
+            if isinstance(value, Fill):
+                out[key] = joined(where, values, rule) if rule else _replicated(where, values, tolerance, notes)
+            else:
+                if key == "step" and any(v != value for v in values):
+                    raise CheckpointError(f"{where}: {values[0]} in part 0, {values} in all: not one checkpoint")
+                out[key] = value  # per-rank 0-dim values, as fairscale gathers them: part 0's
+        state[gid] = out
+    return {**first, "state": state}, notes
+
+
+def _plain(tree: Any) -> Any:
+    """Param groups without their ``params`` lists, which number the same parameters in every part."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in tree]
 
 
 def summarize_parts(files: PartFiles, ckpts: Sequence[ShardedCheckpoint], first: Dict[str, Any]) -> Dict[str, Any]:

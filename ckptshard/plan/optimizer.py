@@ -285,6 +285,11 @@ def _wrap_refs(tree: Any) -> Any:
     return with_fills(tree)
 
 
+def optimizer_param_names(ckpt: ShardedCheckpoint) -> List[str]:
+    """The logical name of each global id of :func:`consolidated_optimizer`'s state (list index = id)."""
+    return [part.prefix + inst.logical_name(m.name) for part, inst, fp in _entries(ckpt) for m in fp.members]
+
+
 def consolidated_optimizer(ckpt: ShardedCheckpoint) -> Optional[Dict[str, Any]]:
     """The full optimizer state in ``gather_full_optim_state_dict``'s format.
 

@@ -15,6 +15,8 @@ root in fairscale FSDP over the data-parallel group. Each part's fused
                         state_dict(): column-parallel and vocab-parallel on dim 0 (qkv regrouped as
                         [k_0..k_K; v_0..v_K; q_0..q_K]), row-parallel weights on dim 1, the rest from part 0
     ref/parts.pt        every part's live state_dict() (full over its data-parallel group)
+    ref/gathered_moments.pt  each Adam moment gathered the same way, by parameter name (each part's moment
+                        shards loaded as the weights of a fresh model, whose state_dict() is the full moment)
     ref/logits.pt       the live model's logits on a fixed batch
 
 ``fsdp_at(out, K, N, dst)`` loads each part's full state into FSDP at N
@@ -120,7 +122,8 @@ class OptLike(nn.Module):
 def _groups(model_parallel: int) -> Any:
     from fairscale.nn.model_parallel import initialize as mpu
 
-    mpu.initialize_model_parallel(model_parallel)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(model_parallel)
     return mpu
 
 
@@ -180,6 +183,26 @@ def gathered_by_layer_type(model: nn.Module, parts: List[Dict[str, torch.Tensor]
     return out
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _full_moments(root: Any, optim: torch.optim.Optimizer, model_parallel: int) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Each Adam moment of this part as a full state dict: its shards loaded as the weights of a fresh model
+    (collective over the data-parallel group)."""
+    from ..fsdp.state import init_param_attributes
+
+    drop = ("_fsdp_wrapped_module", "_fpw_module")  # state-dict hooks drop them
+    keys = [".".join(p for p in n.split(".") if p not in drop) for n, _ in root.named_parameters()]
+    state, local = optim.state_dict()["state"], root.local_state_dict()
+    out = {}
+    for k in MOMENTS:
+        carrier, _ = wrapped(5, model_parallel)
+        init_param_attributes(carrier)
+        carrier.load_local_state_dict({**local, **{key: state[i][k] for i, key in enumerate(keys)}}, strict=True)
+        out[k] = {n: t.clone() for n, t in carrier.state_dict().items()}
+    return out
+
+
 def _run_worker(rank: int, world: int, out: str, model_parallel: int) -> None:
     import torch.distributed as dist
 
@@ -207,8 +230,13 @@ def _run_worker(rank: int, world: int, out: str, model_parallel: int) -> None:
         logits = root(EVAL)
     parts: List[Any] = [None] * model_parallel
     dist.all_gather_object(parts, {k: v.clone() for k, v in full.items()}, group=mpu.get_model_parallel_group())
+    moments: List[Any] = [None] * model_parallel
+    dist.all_gather_object(moments, _full_moments(root, optim, model_parallel), group=mpu.get_model_parallel_group())
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
+        inner = root.module.module
+        gathered = {k: gathered_by_layer_type(inner, [m[k] for m in moments]) for k in MOMENTS}
+        torch.save(gathered, os.path.join(out, "ref", "gathered_moments.pt"))
         torch.save(parts, os.path.join(out, "ref", "parts.pt"))
         torch.save(gathered_by_layer_type(root.module.module, parts), os.path.join(out, "ref", "gathered.pt"))
         torch.save(logits, os.path.join(out, "ref", "logits.pt"))
