@@ -128,6 +128,41 @@ def reshape_options(f: Callable[..., Any]) -> Callable[..., Any]:
     )(f)
 
 
+def mp_rule_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--mp-rule, --mp-rules and --mp-tolerance: how model-parallel parts are joined (consolidate, reshard)."""
+    for option in reversed(
+        [
+            click.option(
+                "--mp-rule",
+                "mp_rules",
+                multiple=True,
+                metavar="REGEX=DIM[/G]",
+                help="Model-parallel parts (metaseq's model_part-K-shardR): join tensors whose name matches "
+                "REGEX along DIM (0: column-parallel layers, vocab-parallel embeddings; 1: row-parallel "
+                "weights); /G: each part holds G blocks along DIM (a fused qkv: 0/3). First match wins; "
+                "repeatable. Every other tensor must be the same in every part.",
+            ),
+            click.option(
+                "--mp-rules",
+                "mp_presets",
+                multiple=True,
+                type=click.Choice(["metaseq"]),
+                help="A preset rule set: metaseq (OPT's names; its stitch_fsdp_ckpt's split).",
+            ),
+            click.option(
+                "--mp-tolerance",
+                default=1e-5,
+                show_default=True,
+                type=float,
+                help="Tensors no rule splits may differ between parts by this much (relative to their largest "
+                "value): taken from part 0 with a note; beyond it, an error.",
+            ),
+        ]
+    ):
+        f = option(f)
+    return f
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptshard")
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
@@ -201,31 +236,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
     help="Cast floating-point tensors (integers such as num_batches_tracked are kept).",
 )
 @reshape_options
-@click.option(
-    "--mp-rule",
-    "mp_rules",
-    multiple=True,
-    metavar="REGEX=DIM[/G]",
-    help="Model-parallel parts (metaseq's model_part-K-shardR): join tensors whose name matches REGEX along "
-    "DIM (0: column-parallel layers, vocab-parallel embeddings; 1: row-parallel weights); /G: each part holds G "
-    "blocks along DIM (a fused qkv: 0/3). First match wins; repeatable. Every other tensor must be the same in "
-    "every part.",
-)
-@click.option(
-    "--mp-rules",
-    "mp_presets",
-    multiple=True,
-    type=click.Choice(["metaseq"]),
-    help="A preset rule set: metaseq (OPT's names; its stitch_fsdp_ckpt's split).",
-)
-@click.option(
-    "--mp-tolerance",
-    default=1e-5,
-    show_default=True,
-    type=float,
-    help="Tensors no rule splits may differ between parts by this much (relative to their largest value): "
-    "taken from part 0 with a note; beyond it, an error.",
-)
+@mp_rule_options
 @click.option(
     "--jobs",
     "-j",
@@ -311,6 +322,14 @@ def consolidate(
     is_flag=True,
     help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).",
 )
+@click.option(
+    "--model-parallel",
+    default=None,
+    type=int,
+    help="Model-parallel parts to write (metaseq's model_part-K-shardR; default: as many as SRC has). Another "
+    "number joins the parts and cuts them again by --mp-rule/--mp-rules.",
+)
+@mp_rule_options
 @common_no_fsync
 @common_overwrite
 @common_trust
@@ -323,13 +342,18 @@ def reshard(
     dst: str,
     jobs: int,
     no_optimizer: bool,
+    model_parallel: Optional[int],
+    mp_rules: tuple,
+    mp_presets: tuple,
+    mp_tolerance: float,
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
 ) -> None:
     """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
     exactly as FSDP at that world size would have saved them, in the same
-    container and file naming."""
+    container and file naming. Model-parallel parts are resharded each, or
+    re-cut to --model-parallel parts by --mp-rule/--mp-rules."""
     from .execute.reshard import reshard as run
 
     res = _run(
@@ -343,6 +367,10 @@ def reshard(
             progress=not quiet,
             jobs=jobs,
             optimizer=not no_optimizer,
+            model_parallel=model_parallel,
+            mp_rules=mp_rules,
+            mp_presets=mp_presets,
+            mp_tolerance=mp_tolerance,
         ),
     )
     if _leads():

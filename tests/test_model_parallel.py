@@ -215,13 +215,15 @@ def test_rules_need_several_parts_and_a_plain_output(tmp_path):
     src = str(tmp_path / "src")
     write_synthetic_parts(src, 2, 2, 2, 8)
     with pytest.raises(ckptshard.CheckpointError, match="joining model parts writes a plain state dict"):
-        ckptshard.consolidate(src, str(tmp_path / "f.pt"), mp_rules=["layers=0"], optimizer=True, progress=False)
+        ckptshard.consolidate(src, str(tmp_path / "f.pt"), mp_rules=["layers=0"], container=True, progress=False)
     from ckptshard.testing.synthetic import write_synthetic
 
     single = str(tmp_path / "single")
     write_synthetic(single, 2, 2, 8)
     with pytest.raises(ckptshard.CheckpointError, match="holds one model part"):
         ckptshard.consolidate(single, str(tmp_path / "g.pt"), mp_rules=["layers=0"], progress=False)
+    with pytest.raises(ckptshard.CheckpointError, match="holds one model part"):
+        ckptshard.reshard(single, str(tmp_path / "h"), 2, model_parallel=2, mp_rules=["layers=0"], progress=False)
 
 
 def test_optimizer_state_joined_by_the_same_rules(run, tmp_path):
@@ -241,3 +243,47 @@ def test_optimizer_state_joined_by_the_same_rules(run, tmp_path):
         assert entry["step"] == 2
         for moment in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(entry[moment], oracle[moment][name]), (name, moment)
+
+
+@pytest.mark.parametrize("k2, n", [(1, 3), (4, 1)])
+def test_reshard_to_another_number_of_parts_is_what_fsdp_saves_there(run, tmp_path, k2, n):
+    from ckptshard.plan.optimizer import optimizer_param_names
+    from ckptshard.read.source import open_checkpoint
+
+    src, _ = run
+    out = tmp_path / "out"
+    res = ckptshard.reshard(src, str(out), n, model_parallel=k2, mp_presets=["metaseq"], progress=False)
+    assert sorted(res.files) == sorted(PARTS.format(j, r) for j in range(k2) for r in range(n))
+    assert "cfg.model.model_parallel_size: 2 -> " + str(k2) in res.notes[0]
+    fsdp_at(src, k2, n, str(tmp_path / "fsdp"))
+    for j in range(k2):
+        for r in range(n):
+            ours = torch.load(out / PARTS.format(j, r), weights_only=False)
+            theirs = torch.load(tmp_path / "fsdp" / f"part-{j}-shard{r}.pt", weights_only=True)
+            assert sorted(ours["model"]) == sorted(theirs)
+            assert all(torch.equal(ours["model"][x], theirs[x]) for x in theirs), (j, r)
+            assert ours["cfg"]["model"]["model_parallel_size"] == k2
+    # Back to one model: the same gathered weights and Adam moments.
+    full = tmp_path / "full.pt"
+    if k2 == 1:
+        ckptshard.consolidate(str(out), str(full), optimizer=True, progress=False)
+    else:
+        ckptshard.consolidate(str(out), str(full), mp_presets=["metaseq"], optimizer=True, progress=False)
+    gathered = torch.load(os.path.join(src, "ref", "gathered.pt"), weights_only=True)
+    weights = torch.load(full, weights_only=True)
+    assert sorted(weights) == sorted(gathered) and all(torch.equal(weights[k], gathered[k]) for k in gathered)
+    optim = torch.load(tmp_path / "full.optim.pt", weights_only=False)
+    moments = torch.load(os.path.join(src, "ref", "gathered_moments.pt"), weights_only=True)
+    names = optimizer_param_names(open_checkpoint(str(out / PARTS.format(0, 0))))
+    for gid, name in enumerate(names):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optim["state"][gid][moment], moments[moment][name]), (name, moment)
+
+
+def test_another_number_of_parts_needs_rules_that_divide(run, tmp_path):
+    src, _ = run
+    with pytest.raises(ckptshard.CheckpointError, match="needs the rules"):
+        ckptshard.reshard(src, str(tmp_path / "a"), 2, model_parallel=1, progress=False)
+    with pytest.raises(ckptshard.CheckpointError, match="do not split into 3 parts|does not scale by 2/3"):
+        ckptshard.reshard(src, str(tmp_path / "b"), 2, model_parallel=3, mp_presets=["metaseq"], progress=False)
+    assert os.listdir(tmp_path) == []

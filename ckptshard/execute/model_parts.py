@@ -3,11 +3,13 @@ replicated (by reading it), and describe the parts for inspect."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..plan.consolidate import consolidated_weights
-from ..plan.model_parallel import MpRule, joined, rule_for, tie_groups
+from ..plan.model_parallel import MpRule, joined, rescaled_layout, rule_for, split, tie_groups
 from ..plan.optimizer import consolidated_optimizer, optimizer_param_names
 from ..read.model_parts import PartFiles
 from ..read.source import ShardedCheckpoint
@@ -131,3 +133,86 @@ def summarize_parts(files: PartFiles, ckpts: Sequence[ShardedCheckpoint], first:
         "files": list(files.paths),
         "part_files": [f"{p.head}*{p.tail}" for p in files.parts],
     }
+
+
+@dataclass
+class Repartition:
+    """K parts planned as K2: the FSDP template of a new part, each new part's full tensors and optimizer."""
+
+    template: ShardedCheckpoint
+    fulls: List[Dict[str, Fill]]
+    optims: Optional[List[Dict[str, Any]]]
+    notes: List[str]
+
+
+def _split_all(
+    values: Dict[Any, Fill],
+    name_of: Dict[Any, str],
+    ties: Dict[str, List[str]],
+    rules: Sequence[MpRule],
+    j: int,
+    k2: int,
+) -> Dict[Any, Fill]:
+    done: Dict[int, Fill] = {}
+    out = {}
+    for key, f in values.items():
+        if id(f) not in done:
+            name = name_of[key]
+            rule = rule_for(ties.get(name, [name]), rules)
+            done[id(f)] = split(name, f, rule, j, k2) if rule else f
+        out[key] = done[id(f)]
+    return out
+
+
+def repartitioned(
+    ckpts: Sequence[ShardedCheckpoint], rules: Sequence[MpRule], tolerance: float, new_parts: int, optimizer: bool
+) -> Repartition:
+    """The parts as ``new_parts`` model-parallel parts, planned: the joined model cut again by the same rules.
+    No tensor is read but those no rule splits (checked replicated)."""
+    weights, notes = joined_weights(ckpts, rules, tolerance)
+    ties = tie_groups(weights)
+    layout = rescaled_layout(ckpts[0].layout, rules, ties, len(ckpts), new_parts)
+    template = dataclasses.replace(ckpts[0], layout=layout, memo={})
+    template.objs = [_with_model_parallel_size(ckpts[0].objs[0], len(ckpts), new_parts, notes)]
+    names = {n: n for n in weights}
+    fulls = [_split_all(weights, names, ties, rules, j, new_parts) for j in range(new_parts)]
+    optims = None
+    if optimizer and ckpts[0].container.optimizer is not None:
+        optim, optim_notes = joined_optimizer(ckpts, rules, tolerance)
+        notes += optim_notes
+        param_names = optimizer_param_names(ckpts[0])
+        optims = []
+        for j in range(new_parts):
+            state = {}
+            for gid, entry in optim["state"].items():
+                moments = {k: v for k, v in entry.items() if isinstance(v, Fill)}
+                cut = _split_all(moments, dict.fromkeys(moments, param_names[gid]), ties, rules, j, new_parts)
+                state[gid] = {**entry, **cut}
+            optims.append({**optim, "state": state})
+    return Repartition(template, fulls, optims, notes)
+
+
+def _with_model_parallel_size(tree: Any, parts: int, new_parts: int, notes: List[str]) -> Any:
+    """The container with every ``model_parallel_size`` that says ``parts`` saying ``new_parts`` (metaseq's cfg)."""
+    found: List[str] = []
+
+    def walk(x: Any, where: str) -> Any:
+        if isinstance(x, dict):
+            out = {}
+            for k, v in x.items():
+                if k == "model_parallel_size" and v == parts:
+                    found.append(f"{where}{k}")
+                    out[k] = new_parts
+                else:
+                    out[k] = walk(v, f"{where}{k}.")
+            return out
+        if isinstance(x, list):
+            return [walk(v, where) for v in x]
+        return x
+
+    out = walk(tree, "")
+    if found:
+        notes.append(f"{', '.join(found)}: {parts} -> {new_parts}")
+    else:
+        notes.append(f"no model_parallel_size in the container said {parts}: set the new size in your config yourself")
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -14,8 +15,9 @@ from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
+from ..plan.model_parallel import MpRule, rules_from
 from ..plan.reshard import resharded_file
-from ..plan.shard import check_full_against_plan, sharded_files
+from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
 from ..plan.torch_ranks import resharded_model, resharded_optimizer
 from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
@@ -28,6 +30,7 @@ from ..write.copier import Copier
 from ..write.dtensor_mesh import fake_mesh
 from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
 from .consolidate import ranks_source_info, source_info
+from .model_parts import DEFAULT_TOLERANCE, repartitioned
 from .parallel import (
     Digests,
     PlannedFiles,
@@ -168,6 +171,10 @@ def reshard(
     progress: bool = True,
     jobs: int = 1,
     optimizer: bool = True,
+    model_parallel: Optional[int] = None,
+    mp_rules: Sequence[str] = (),
+    mp_presets: Sequence[str] = (),
+    mp_tolerance: float = DEFAULT_TOLERANCE,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
 
@@ -184,6 +191,9 @@ def reshard(
         progress: show a progress bar.
         jobs: local processes writing the files (0: chosen from the plan; 1: threads of this process).
         optimizer: False leaves the optimizer state out (a model-only checkpoint).
+        model_parallel, mp_rules, mp_presets, mp_tolerance: for several model-parallel parts, the number of
+            parts to write (default: as many as there are); another number needs the rules that say which
+            tensors tensor parallelism split (see ``consolidate``).
 
     Returns:
         ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes), ``notes``
@@ -200,8 +210,12 @@ def reshard(
     if ranks is not None:
         return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
     parts = find_model_parts(src)
+    rules = rules_from(mp_rules, mp_presets)
     if parts is not None:
-        return _reshard_parts(parts, dst, world_size, overwrite, trust_pickles, progress, jobs, optimizer)
+        split = Split(model_parallel, rules, mp_tolerance)
+        return _reshard_parts(parts, dst, world_size, overwrite, trust_pickles, progress, jobs, optimizer, split)
+    if model_parallel is not None or rules:
+        raise CheckpointError(f"{src}: --model-parallel/--mp-rule given, but it holds one model part")
     ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
@@ -222,11 +236,15 @@ def _reshard_parts(
     progress: bool,
     jobs: int,
     optimizer: bool,
+    split: Split,
 ) -> ReshardResult:
     """Every model-parallel part's FSDP shards resharded to ``world_size``, the parts and names kept: each part
-    as FSDP at ``world_size`` over that part's data-parallel group saves it."""
+    as FSDP at ``world_size`` over that part's data-parallel group saves it. With ``split.parts`` another
+    number of parts: the parts joined and cut again by ``split.rules``."""
     ckpts = open_model_parts(files, trust_pickles)
     run_checked(lambda: check_output(dst, overwrite, files.paths, is_dir=True))
+    if split.parts is not None and split.parts != len(ckpts):
+        return _repartition(files, ckpts, dst, world_size, overwrite, progress, jobs, optimizer, split)
     for c in ckpts[1:]:  # every part's checks before any byte is written (part 0's run in PlannedFiles)
         resharded_file(c, world_size, 0, optimizer)
     n = world_size
@@ -236,6 +254,59 @@ def _reshard_parts(
     desc = f"reshard {len(ckpts)} parts x {ckpts[0].world_size}->{n}"
     res = write_rank_files(ckpts[0], trees, dst, desc, overwrite, progress, source, jobs, names)
     return _noted(res, world_size)
+
+
+@dataclass(frozen=True)
+class Split:
+    """How model-parallel parts are written: how many (None: as many as read), by which rules."""
+
+    parts: Optional[int]
+    rules: Sequence[MpRule]
+    tolerance: float
+
+
+def _repartition(
+    files: PartFiles,
+    ckpts: Sequence[ShardedCheckpoint],
+    dst: str,
+    world_size: int,
+    overwrite: bool,
+    progress: bool,
+    jobs: int,
+    optimizer: bool,
+    split: Split,
+) -> ReshardResult:
+    k, k2, n = len(ckpts), split.parts or 1, world_size
+    if k2 < 1:
+        raise CheckpointError(f"--model-parallel must be >= 1, got {k2}")
+    if not split.rules:
+        raise CheckpointError(
+            f"--model-parallel {k2} from {k} parts needs the rules saying which tensors tensor parallelism split: "
+            "--mp-rules metaseq or --mp-rule REGEX=DIM[/G]"
+        )
+    plan = repartitioned(ckpts, split.rules, split.tolerance, k2, optimizer)
+    template = plan.template
+
+    def tree(i: int) -> Any:
+        j, r = divmod(i, n)
+        optim = None if plan.optims is None else sharded_optimizer_from_full(template.layout, plan.optims[j], n, r)
+        return sharded_from_full(template, plan.fulls[j], n, r, optim)
+
+    for full in plan.fulls:  # every new part's names and shapes against its plan, before any byte is written
+        check_full_against_plan(template, full)
+    trees = PlannedFiles(tree, k2 * n)
+    head = ckpts[0].files.head
+    names = [_part_head(head, j) + f"{r}{ckpts[0].files.tail}" for j in range(k2) for r in range(n)]
+    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": k}
+    desc = f"reshard {k} parts x {ckpts[0].world_size} -> {k2} parts x {n}"
+    res = write_rank_files(template, trees, dst, desc, overwrite, progress, source, jobs, names)
+    res.notes = list(plan.notes) + res.notes
+    return _noted(res, world_size)
+
+
+def _part_head(head: str, part: int) -> str:
+    """``checkpoint_last-model_part-0-shard`` -> ``...-model_part-{part}-shard``."""
+    return re.sub(r"model_part-\d+", f"model_part-{part}", head)
 
 
 def _all_stored(*trees: Any) -> bool:

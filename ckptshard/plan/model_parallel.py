@@ -12,13 +12,15 @@ name wins; a tensor tied to a ruled one is split like it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import row_runs
-from ..tensors import Fill, Source, sources_in
+from ..layout.model import Member, ShardedLayout
+from ..tensors import Fill, Source, numel, sources_in
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,56 @@ def tie_groups(fills: Dict[str, Fill]) -> Dict[str, List[str]]:
     for name, f in fills.items():
         by_id.setdefault(id(f), []).append(name)
     return {n: [n] + [m for m in names if m != n] for names in by_id.values() for n in names}
+
+
+def split(name: str, whole: Fill, rule: MpRule, part: int, parts: int) -> Fill:
+    """Part ``part`` of ``parts`` of a joined tensor, as tensor parallelism at ``parts`` holds it: the inverse of
+    :func:`joined` (each of the rule's groups cut into ``parts`` equal row ranges)."""
+    d, g = rule.dim, rule.groups
+    rows = whole.shape[d]
+    if rows % (g * parts):
+        raise CheckpointError(f"{name}: {rows} rows along {d} do not split into {parts} parts of {g} group(s)")
+    group, block = rows // g, rows // (g * parts)
+    shape = tuple(rows // parts if i == d else s for i, s in enumerate(whole.shape))
+    inner = 1
+    for s in whole.shape[d + 1 :]:
+        inner *= s
+    sources: List[Source] = []
+    for grp in range(g):
+        for src, local, length in row_runs(whole.shape, d, grp * group + part * block, block):
+            outer = local // (block * inner) if block * inner else 0
+            sources.extend(sources_in(whole, src, src + length, outer * shape[d] * inner + grp * block * inner))
+    return Fill(shape, whole.dtype, tuple(sources))
+
+
+def scaled_shape(shape: Tuple[int, ...], rule: MpRule, factor_num: int, factor_den: int) -> Tuple[int, ...]:
+    """A split tensor's shape with its split dimension scaled by ``factor_num / factor_den`` (K/K2)."""
+    d = rule.dim
+    if (shape[d] * factor_num) % factor_den:
+        raise CheckpointError(f"dimension {d} of {list(shape)} does not scale by {factor_num}/{factor_den}")
+    return tuple(s * factor_num // factor_den if i == d else s for i, s in enumerate(shape))
+
+
+def rescaled_layout(
+    layout: ShardedLayout, rules: Sequence[MpRule], ties: Dict[str, List[str]], parts: int, new_parts: int
+) -> ShardedLayout:
+    """The FSDP layout of one part at ``new_parts`` model-parallel parts: every split parameter's split
+    dimension scaled by ``parts / new_parts``, flat parameters re-packed (fairscale concatenates members)."""
+    out_parts = []
+    for part in layout.parts:
+        instances = []
+        for inst in part.instances:
+            flat = []
+            for fp in inst.flat_params:
+                members, offset = [], 0
+                for m in fp.members:
+                    name = part.prefix + inst.logical_name(m.name)
+                    rule = rule_for(ties.get(name, [name]), rules)
+                    shape = scaled_shape(m.shape, rule, parts, new_parts) if rule else m.shape
+                    n = numel(shape)
+                    members.append(Member(m.name, shape, offset, n))
+                    offset += n
+                flat.append(dataclasses.replace(fp, members=tuple(members), numel=offset))
+            instances.append(dataclasses.replace(inst, flat_params=tuple(flat)))
+        out_parts.append(dataclasses.replace(part, instances=tuple(instances)))
+    return dataclasses.replace(layout, parts=tuple(out_parts))

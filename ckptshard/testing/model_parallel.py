@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from ..fsdp.launch import run_world
 
-VOCAB, DIM, HEADS, FFN, LAYERS, LENGTH, GLOBAL_BATCH = 16, 8, 2, 12, 2, 5, 8
+VOCAB, DIM, HEADS, FFN, LAYERS, LENGTH, GLOBAL_BATCH = 16, 8, 4, 12, 2, 5, 8  # splits 1, 2 or 4 ways
 STEPS = 2
 
 
@@ -157,8 +157,8 @@ def _loss(root: Any, tokens: torch.Tensor) -> torch.Tensor:
 EVAL = torch.arange(2 * LENGTH).reshape(2, LENGTH) % VOCAB
 
 
-def gathered_by_layer_type(model: nn.Module, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """The state dict at model-parallel size 1, from every part's full state, by each module's class."""
+def _splits(model: nn.Module) -> Dict[str, Any]:
+    """State-dict name -> (dimension, groups) of every tensor tensor parallelism splits, by module class."""
     mp = _layers()
     split: Dict[str, Any] = {}
     for name, m in model.named_modules():
@@ -172,6 +172,12 @@ def gathered_by_layer_type(model: nn.Module, parts: List[Dict[str, torch.Tensor]
         elif isinstance(m, mp.RowParallelLinear):
             split[prefix + "weight"] = (1, 1)
     split["decoder.output_projection.weight"] = split["decoder.embed_tokens.weight"]
+    return split
+
+
+def gathered_by_layer_type(model: nn.Module, parts: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """The state dict at model-parallel size 1, from every part's full state, by each module's class."""
+    split = _splits(model)
     out = {}
     for key in parts[0]:
         if key not in split:
@@ -180,6 +186,20 @@ def gathered_by_layer_type(model: nn.Module, parts: List[Dict[str, torch.Tensor]
         dim, groups = split[key]
         pieces = [p[key].chunk(groups, dim) for p in parts]  # each part: its groups in order
         out[key] = torch.cat([piece[g] for g in range(groups) for piece in pieces], dim)
+    return out
+
+
+def split_by_layer_type(model: nn.Module, full: Dict[str, torch.Tensor], parts: int) -> List[Dict[str, torch.Tensor]]:
+    """The inverse: part j of ``parts`` holds, of each group of a split tensor, its j-th slice."""
+    split = _splits(model)
+    out: List[Dict[str, torch.Tensor]] = [{} for _ in range(parts)]
+    for key, t in full.items():
+        for j in range(parts):
+            if key in split:
+                dim, groups = split[key]
+                out[j][key] = torch.cat([g.chunk(parts, dim)[j] for g in t.chunk(groups, dim)], dim).clone()
+            else:
+                out[j][key] = t.clone()
     return out
 
 
@@ -250,14 +270,18 @@ def build_mp_run(out: str, model_parallel: int, data_parallel: int) -> str:
 
 def _fsdp_at_worker(rank: int, world: int, src: str, model_parallel: int, dst: str) -> None:
     root, mpu = wrapped(7, model_parallel)  # other initial values: loading must overwrite them
+    part = mpu.get_model_parallel_rank()
     parts = torch.load(os.path.join(src, "ref", "parts.pt"), weights_only=True)
-    root.load_state_dict(parts[mpu.get_model_parallel_rank()])
-    name = f"part-{mpu.get_model_parallel_rank()}-shard{mpu.get_data_parallel_rank()}.pt"
+    if len(parts) != model_parallel:  # another number of parts: the gathered model cut by layer type
+        gathered = torch.load(os.path.join(src, "ref", "gathered.pt"), weights_only=True)
+        parts = split_by_layer_type(root.module.module, gathered, model_parallel)
+    root.load_state_dict(parts[part])
     os.makedirs(dst, exist_ok=True)
-    torch.save(root.local_state_dict(), os.path.join(dst, name))
+    torch.save(root.local_state_dict(), os.path.join(dst, f"part-{part}-shard{mpu.get_data_parallel_rank()}.pt"))
 
 
 def fsdp_at(src: str, model_parallel: int, data_parallel: int, dst: str) -> None:
+    """FSDP's own local_state_dict() at ``model_parallel`` parts x ``data_parallel`` shards of ``src``'s model."""
     run_world(_fsdp_at_worker, model_parallel * data_parallel, src, model_parallel, dst)
 
 
