@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..formats.safetensors import safetensors_index_plan
@@ -284,113 +285,94 @@ def consolidate(
         raise CheckpointError("--container needs a torch.save output (.pt/.pth/.torch)")
     renames = parse_renames(rename)
     cast_dtype(dtype)  # a bad --dtype fails before any file is opened
-    reshaping = bool(select or strip_prefix or renames)
-    if reshaping and (container or optimizer):
+    if (select or strip_prefix or renames) and (container or optimizer):
         raise CheckpointError(
             "--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer"
         )
+    req = Request(
+        out, fmt, container, optimizer, overwrite, trust_pickles, progress,
+        tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs,
+    )  # fmt: skip
     ranks = open_torch_ranks(src)
     if ranks is not None:
         if container:
             raise CheckpointError(f"{src}: torch FSDP2 per-rank files have no container to keep: drop --container")
-        return _consolidate_ranks(
-            ranks, out, fmt, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, max_shard_size, jobs
-        )
+        return _consolidate_ranks(ranks, req)
     parts = find_model_parts(src)
     rules = rules_from(mp_rules, mp_presets)
     if parts is not None:
-        return _consolidate_parts(
-            parts,
-            out,
-            fmt,
-            rules,
-            mp_tolerance,
-            container,
-            optimizer,
-            overwrite,
-            trust_pickles,
-            progress,
-            select,
-            strip_prefix,
-            renames,
-            dtype,
-            max_shard_size,
-            jobs,
-        )
+        return _consolidate_parts(parts, rules, mp_tolerance, req)
     if rules:
         raise CheckpointError(f"{src}: --mp-rule/--mp-rules given, but it holds one model part")
     # Read (and so write) without importing torch where the files allow: its import takes seconds.
-    ckpt = open_checkpoint(src, trust_pickles, torch_free=True)
-    return _consolidate_checkpoint(
-        ckpt,
-        src,
-        out,
-        fmt,
-        container,
-        optimizer,
-        overwrite,
-        trust_pickles,
-        progress,
-        select,
-        strip_prefix,
-        renames,
-        dtype,
-        max_shard_size,
-        jobs,
-    )
+    return _consolidate_checkpoint(open_checkpoint(src, trust_pickles, torch_free=True), src, req)
 
 
-def _consolidate_checkpoint(
-    ckpt: ShardedCheckpoint,
-    src: str,
-    out: str,
-    fmt: str,
-    container: bool,
-    optimizer: bool,
-    overwrite: bool,
-    trust_pickles: bool,
-    progress: bool,
-    select: Sequence[str],
-    strip_prefix: Sequence[str],
-    renames: Sequence[Any],
-    dtype: Optional[str],
-    max_shard_size: Optional[int],
-    jobs: int,
-) -> ConsolidateResult:
-    """One fairscale checkpoint (one model part) to ``out``."""
-    inputs = tuple(ckpt.files.paths)
-    run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
-    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
-    optim = None
-    if optimizer:
-        if ckpt.container.optimizer is None:
-            raise CheckpointError(f"{src}: --optimizer given but the shards hold no optimizer state")
-        optim = consolidated_optimizer(ckpt)
-    opt_out = None
-    if optim is not None and not container:
-        opt_out = optimizer_path(out)
-        run_checked(lambda: check_output(opt_out, overwrite, inputs))
-    # Tied tensors count twice: safetensors stores each copy.
-    total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    tree: Any = container_tree(ckpt, weights, optim) if container and fmt == "torch" else weights
-    on_disk = full_size_bound(fmt, tree) + (torch_file_size_bound(optim) if opt_out is not None else 0)
-    run_checked(lambda: check_space(out, on_disk))
-    outputs: List[str] = []
-    source = source_info(ckpt)  # fingerprinted once, for every manifest
+@dataclass(frozen=True)
+class Request:
+    """A consolidate's output and options, whatever the source kind."""
+
+    out: str
+    fmt: str
+    container: bool
+    optimizer: bool
+    overwrite: bool
+    trust_pickles: bool
+    progress: bool
+    select: Tuple[str, ...]
+    strip_prefix: Tuple[str, ...]
+    renames: Tuple[Any, ...]
+    dtype: Optional[str]
+    max_shard_size: Optional[int]
+    jobs: int
+
+    def reshaped(self, weights: Dict[str, Fill]) -> Dict[str, Fill]:
+        return transform(weights, self.select, self.strip_prefix, self.renames, cast_dtype(self.dtype))
+
+
+def _write(
+    req: Request,
+    tree: Any,
+    beside: Optional[Any],
+    total: int,
+    source: Dict[str, Any],
+    inputs: Sequence[str],
+) -> List[str]:
+    """``tree`` to ``req.out`` and ``beside`` (an optimizer state) to ``OUT.optim.pt``, each atomically and with
+    its manifest; outputs checked before anything is written."""
+    opt_out = optimizer_path(req.out) if beside is not None else None
+    run_checked(lambda: check_output(req.out, req.overwrite, tuple(inputs), is_dir=req.fmt == "safetensors-index"))
+    if opt_out is not None:
+        run_checked(lambda: check_output(opt_out, req.overwrite, tuple(inputs)))
+    on_disk = full_size_bound(req.fmt, tree) + (torch_file_size_bound(beside) if beside is not None else 0)
+    run_checked(lambda: check_space(req.out, on_disk))
+    outputs = [req.out]
     lead = leads()  # under torchrun rank 0 reports and writes the single files
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
-        write_full(
-            out, fmt, tree, copier, tick, source, "consolidate", max_shard_size, overwrite, trust_pickles, hashes, jobs
-        )
-        outputs.append(out)
+    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", req.progress and lead) as tick:
+        how = (source, "consolidate", req.max_shard_size, req.overwrite, req.trust_pickles, hashes, req.jobs)
+        write_full(req.out, req.fmt, tree, copier, tick, *how)
         if opt_out is not None and lead:
-            write_full(
-                opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles, hashes
-            )
+            write_full(opt_out, "torch", beside, copier, tick, *how[:2], None, *how[3:6])
             outputs.append(opt_out)
         for o in outputs:
             if os.path.isfile(o):
                 write_file_manifest(o, source, "consolidate", hashes)
+    return outputs
+
+
+def _consolidate_checkpoint(ckpt: ShardedCheckpoint, src: str, req: Request) -> ConsolidateResult:
+    """One fairscale checkpoint (one model part)."""
+    weights = req.reshaped(consolidated_weights(ckpt))
+    optim = None
+    if req.optimizer:
+        if ckpt.container.optimizer is None:
+            raise CheckpointError(f"{src}: --optimizer given but the shards hold no optimizer state")
+        optim = consolidated_optimizer(ckpt)
+    # Tied tensors count twice: safetensors stores each copy.
+    total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
+    inside = req.container and req.fmt == "torch"
+    tree: Any = container_tree(ckpt, weights, optim) if inside else weights
+    outputs = _write(req, tree, None if inside else optim, total, source_info(ckpt), ckpt.files.paths)
     notes = per_rank_note(ckpt)
     if optim is not None and len(optim["param_groups"]) > 1:
         notes.append(
@@ -401,54 +383,18 @@ def _consolidate_checkpoint(
     return ConsolidateResult(outputs, len(weights), total, notes)
 
 
-def _consolidate_parts(
-    files: PartFiles,
-    out: str,
-    fmt: str,
-    rules: Sequence[MpRule],
-    tolerance: float,
-    container: bool,
-    optimizer: bool,
-    overwrite: bool,
-    trust_pickles: bool,
-    progress: bool,
-    select: Sequence[str],
-    strip_prefix: Sequence[str],
-    renames: Sequence[Any],
-    dtype: Optional[str],
-    max_shard_size: Optional[int],
-    jobs: int,
-) -> ConsolidateResult:
+def _consolidate_parts(files: PartFiles, rules: Sequence[MpRule], tolerance: float, req: Request) -> ConsolidateResult:
     """K model-parallel parts: joined by ``rules`` into the model at model-parallel size 1, or without rules
     one full file per part (``OUT-model_part-K``)."""
-    ckpts = open_model_parts(files, trust_pickles)
+    ckpts = open_model_parts(files, req.trust_pickles)
     if not rules:
-        outs = [part_output(out, k) for k in range(len(ckpts))]
-        for o in outs:
-            run_checked(lambda o=o: check_output(o, overwrite, files.paths, is_dir=fmt == "safetensors-index"))
-        results = [
-            _consolidate_checkpoint(
-                c,
-                c.files.paths[0],
-                o,
-                fmt,
-                container,
-                optimizer,
-                overwrite,
-                trust_pickles,
-                progress,
-                select,
-                strip_prefix,
-                renames,
-                dtype,
-                max_shard_size,
-                jobs,
-            )
-            for c, o in zip(ckpts, outs)
-        ]
+        reqs = [dataclasses.replace(req, out=part_output(req.out, k)) for k in range(len(ckpts))]
+        for r in reqs:  # every output checked before the first is written
+            run_checked(lambda r=r: check_output(r.out, r.overwrite, files.paths, is_dir=r.fmt == "safetensors-index"))
+        results = [_consolidate_checkpoint(c, c.files.paths[0], r) for c, r in zip(ckpts, reqs)]
         note = (
             f"{len(ckpts)} model-parallel parts and no --mp-rule: one full state dict per part "
-            f"({os.path.basename(outs[0])}, ...); --mp-rules metaseq or --mp-rule REGEX=DIM joins them into one"
+            f"({os.path.basename(reqs[0].out)}, ...); --mp-rules metaseq or --mp-rule REGEX=DIM joins them into one"
         )
         return ConsolidateResult(
             [o for r in results for o in r.outputs],
@@ -456,37 +402,20 @@ def _consolidate_parts(
             sum(r.nbytes for r in results),
             [note] + [n for r in results for n in r.notes],
         )
-    if container:
+    if req.container:
         raise CheckpointError(
             "--container with --mp-rule: joining model parts writes a plain state dict (consolidate without "
             "rules keeps each part's container)"
         )
-    run_checked(lambda: check_output(out, overwrite, files.paths, is_dir=fmt == "safetensors-index"))
     weights, notes = joined_weights(ckpts, rules, tolerance)
-    weights = transform(weights, select, strip_prefix, renames, cast_dtype(dtype))
-    optim, opt_out = None, None
-    if optimizer:
+    weights = req.reshaped(weights)
+    optim = None
+    if req.optimizer:
         optim, optim_notes = joined_optimizer(ckpts, rules, tolerance)
         notes += optim_notes
-        opt_out = optimizer_path(out)
-        run_checked(lambda: check_output(opt_out, overwrite, files.paths))
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    on_disk = full_size_bound(fmt, weights) + (torch_file_size_bound(optim) if optim else 0)
-    run_checked(lambda: check_space(out, on_disk))
     source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
-    outputs = [out]
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and leads()) as tick:
-        how = (source, "consolidate", max_shard_size, overwrite, trust_pickles, hashes, jobs)
-        write_full(out, fmt, weights, copier, tick, *how)
-        if opt_out is not None and leads():
-            write_full(
-                opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, trust_pickles, hashes
-            )
-            outputs.append(opt_out)
-        for o in outputs:
-            if os.path.isfile(o):
-                write_file_manifest(o, source, "consolidate", hashes)
-    return ConsolidateResult(outputs, len(weights), total, notes)
+    return ConsolidateResult(_write(req, weights, optim, total, source, files.paths), len(weights), total, notes)
 
 
 def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:
@@ -497,43 +426,12 @@ def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:
     }
 
 
-def _consolidate_ranks(
-    ranks: TorchRanks,
-    out: str,
-    fmt: str,
-    optimizer: bool,
-    overwrite: bool,
-    progress: bool,
-    select: Sequence[str],
-    strip_prefix: Sequence[str],
-    renames: Sequence[Any],
-    dtype: Optional[str],
-    max_shard_size: Optional[int],
-    jobs: int,
-) -> ConsolidateResult:
+def _consolidate_ranks(ranks: TorchRanks, req: Request) -> ConsolidateResult:
     """torch FSDP2 per-rank files: the model's full state dict; ``optimizer``: torch's full optimizer state
     (``get_optimizer_state_dict(..., full_state_dict=True)``'s, keyed by name) beside it."""
-    inputs = tuple(ranks.files.paths)
-    run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
-    weights = transform(ranks.full_model(), select, strip_prefix, renames, cast_dtype(dtype))
-    optim = ranks.full_optimizer() if optimizer else None
-    opt_out = optimizer_path(out) if optim is not None else None
-    if opt_out is not None:
-        run_checked(lambda: check_output(opt_out, overwrite, inputs))
+    weights = req.reshaped(ranks.full_model())
+    optim = ranks.full_optimizer() if req.optimizer else None
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    on_disk = full_size_bound(fmt, weights) + (torch_file_size_bound(optim) if opt_out is not None else 0)
-    run_checked(lambda: check_space(out, on_disk))
-    source = ranks_source_info(ranks)
-    outputs = [out]
-    lead = leads()
-    with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", progress and lead) as tick:
-        write_full(
-            out, fmt, weights, copier, tick, source, "consolidate", max_shard_size, overwrite, False, hashes, jobs
-        )
-        if opt_out is not None and lead:
-            write_full(opt_out, "torch", optim, copier, tick, source, "consolidate", None, overwrite, False, hashes)
-            outputs.append(opt_out)
-        for o in outputs:
-            if os.path.isfile(o):
-                write_file_manifest(o, source, "consolidate", hashes)
+    req = dataclasses.replace(req, trust_pickles=False)
+    outputs = _write(req, weights, optim, total, ranks_source_info(ranks), ranks.files.paths)
     return ConsolidateResult(outputs, len(weights), total, [])
