@@ -388,3 +388,25 @@ def test_default_jobs_chooses_from_the_plan_and_gives_the_same_bytes(fixtures, t
     monkeypatch.setattr(parallel, "map_in_processes", lambda *a, **k: pytest.fail("processes with --jobs 1"))
     reshard(src, str(tmp_path / "threads"), 5, progress=False, jobs=1)  # an explicit 1 is never overridden
     assert asked == [(files, pieces, nbytes)]
+
+
+@pytest.mark.parametrize("repartition", [(), ("--model-parallel", "1", "--mp-rule", r"layers\.1\.weight$=1")])
+def test_torchrun_shares_model_parts_files_and_gives_the_single_process_bytes(tmp_path, repartition):
+    from ckptshard.testing.synthetic import write_synthetic_parts
+
+    src = str(tmp_path / "src")
+    write_synthetic_parts(src, 3, 2, 2, 8)
+    args = ["reshard", src, "-n", "3", *repartition, "-q"]
+    one = subprocess.run([sys.executable, "-m", "ckptshard.cli", *args, "-o", str(tmp_path / "one")])
+    assert one.returncode == 0
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    launch = [torchrun, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    res = subprocess.run(
+        [*launch, "-m", "ckptshard.cli", *args, "-o", str(tmp_path / "dist")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    names = same_files(tmp_path / "one", tmp_path / "dist")
+    assert len(names) == (3 if repartition else 9) + 1  # rank files and the manifest

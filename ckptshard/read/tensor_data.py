@@ -8,9 +8,9 @@ loading a checkpoint into a live model.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-from ..dtypes import to_torch, unpack_scalar
+from ..dtypes import itemsize_of, to_torch, unpack_scalar
 from ..errors import CheckpointError
 from ..tensors import Fill, TensorRef
 from ..tree import map_leaves
@@ -79,6 +79,28 @@ def read_scalars(refs: Sequence[TensorRef]) -> List[Any]:
 def read_scalar(ref: TensorRef) -> Any:
     """A one-element tensor's value as a Python number."""
     return read_scalars([ref])[0]
+
+
+def fill_bytes(fill: Fill) -> Optional[bytes]:
+    """The Fill's bytes as stored, read without torch; None where that needs torch (a cast, a strided source,
+    a gap)."""
+    size = itemsize_of(fill.dtype)
+    out = bytearray(fill.nbytes)
+    covered = 0
+    for s in fill.sources:
+        if not s.length:
+            continue
+        if not s.ref.contiguous or str(s.ref.dtype) != str(fill.dtype):
+            return None
+        start = s.ref.offset + s.src_start * size
+        with open(s.ref.path, "rb") as f:
+            f.seek(start)
+            got = f.read(s.length * size)
+        if len(got) != s.length * size:
+            raise CheckpointError(f"{s.ref.path}: truncated: tensor data ends early at byte {start + len(got)}")
+        out[s.dst_start * size : (s.dst_start + s.length) * size] = got
+        covered += s.length
+    return bytes(out) if covered == fill.numel else None
 
 
 def read_fill(fill: Fill) -> torch.Tensor:
