@@ -226,15 +226,62 @@ def test_fsdp1_weights_convert_to_a_dcp_fsdp2_loads(fsdp1_runs, tmp_path):
     _assert_equal(got["model"], want, "model")
 
 
-def test_fsdp1_optimizer_and_reshard_are_refused_not_guessed(fsdp1_runs, runs, tmp_path):
+@pytest.mark.parametrize("w, bf16", [(2, False), (3, False), (3, True), (4, True)], ids=str)
+def test_fsdp1_raw_optimizer_files_consolidate_to_torchs_full_optimizer_state(cache_root, w, bf16, tmp_path):
+    """verl's FSDP1 optimizer files: ``optimizer.state_dict()`` with use_orig_params, each rank a 1-D slice of
+    each moment (none where it holds no element; under bf16 compute each parameter aligned to 8 elements)."""
+    src = _once(
+        cache_root / f"fsdp1-ws{w}-bf16{int(bf16)}-{CODE}", lambda d: torch_fsdp_runs.build_fsdp1_run(d, w, bf16)
+    )
+    ranks = [_load(src / f"optim_world_size_{w}_rank_{r}.pt") for r in range(w)]
+    if w >= 3:  # the case the slices are for: some rank holds no element of some parameter
+        assert any(len(o["state"]) < len(o["param_groups"][0]["params"]) for o in ranks)
+    ckptshard.consolidate(str(src), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), _load(src / "ref" / "full_optim.pt"), "optim")
+    s = ckptshard.inspect_checkpoint(str(src))
+    assert s["optimizer"]["entries"] == 14 and s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_fsdp1_optimizer_converts_to_a_dcp_fsdp2_loads_at_another_world_size(fsdp1_runs, tmp_path):
+    ckptshard.convert(str(fsdp1_runs[3]), str(tmp_path / "dcp"), "dcp", progress=False)
+    torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), 2)
+    full = _load(tmp_path / "full.pt")
+    _assert_equal(full["model"], _load(fsdp1_runs[3] / "ref" / "full_model.pt"), "model")
+    want = _load(fsdp1_runs[3] / "ref" / "full_optim.pt")
+    assert list(full["optim"]["state"]) != list(want["state"])  # FSDP2 orders by parameter, FSDP1 by name
+    full["optim"]["state"] = dict(sorted(full["optim"]["state"].items()))
+    _assert_equal(full["optim"], want, "optim")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("rank_twice", "slices hold .* elements over the ranks"),
+        ("flat_params", "FSDP1 without use_orig_params keeps one flat parameter per FSDP unit"),
+    ],
+)
+def test_fsdp1_optimizer_files_that_do_not_add_up_are_refused(fsdp1_runs, tmp_path, damage, message):
+    src = tmp_path / "src"
+    shutil.copytree(fsdp1_runs[3], src)
+    if damage == "rank_twice":
+        shutil.copy(src / "optim_world_size_3_rank_0.pt", src / "optim_world_size_3_rank_1.pt")
+    else:  # what use_orig_params=False saves: one entry per FSDP unit (3 here)
+        for r in range(3):
+            path = src / f"optim_world_size_3_rank_{r}.pt"
+            osd = _load(path)
+            osd["param_groups"][0]["params"] = [0, 1, 2]
+            osd["state"] = {k: v for k, v in osd["state"].items() if k < 3}
+            torch.save(osd, path)
+    with pytest.raises(CheckpointError, match=message):
+        ckptshard.consolidate(str(src), str(tmp_path / "a.pt"), optimizer=True, progress=False)
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "a.optim.pt").exists()
+
+
+def test_fsdp1_reshard_and_local_state_dict_are_refused_not_guessed(fsdp1_runs, runs, tmp_path):
     src = str(fsdp1_runs[2])
-    for call, what in (
-        (lambda: ckptshard.consolidate(src, str(tmp_path / "a.pt"), optimizer=True, progress=False), "optimizer"),
-        (lambda: ckptshard.convert(src, str(tmp_path / "d"), "dcp", progress=False), "--no-optimizer"),
-        (lambda: ckptshard.reshard(src, str(tmp_path / "r"), 3, progress=False), "cannot be resharded"),
-    ):
-        with pytest.raises(CheckpointError, match=what):
-            call()
+    with pytest.raises(CheckpointError, match="cannot be resharded"):
+        ckptshard.reshard(src, str(tmp_path / "r"), 3, progress=False)
     assert not list(tmp_path.iterdir())
     with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param"):
         ckptshard.consolidate(str(fsdp1_runs[2] / "local"), str(tmp_path / "l.pt"), progress=False)

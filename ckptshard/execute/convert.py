@@ -244,12 +244,11 @@ def _ranks_to_dcp(
     dtype: Optional[str],
     jobs: int,
 ) -> ConvertResult:
-    """FSDP2 per-rank files -> DCP: ``{"model": ..., "optim": ...}`` as FSDP2's own ``dcp.save`` stores them."""
+    """torch FSDP per-rank files -> DCP: ``{"model": ..., "optim": ...}`` as FSDP2's own ``dcp.save`` stores
+    them."""
     run_checked(lambda: check_output(out, overwrite, tuple(ranks.files.paths), is_dir=True))
     weights = transform(ranks.full_model(), select, strip_prefix, renames, cast_dtype(dtype))
     tree: Dict[str, Any] = {MODEL: weights}
-    if optimizer:
-        ranks.no_fsdp1_optimizer("convert the optimizer state")
     if optimizer and ranks.optims is not None:
         rename = name_mapper(select, strip_prefix, renames)
         full = ranks.full_optimizer()

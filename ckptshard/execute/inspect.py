@@ -160,8 +160,9 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
     optim = None
     if ranks.optims is not None:
         first = ranks.optims[0]
-        keys = sorted({k for entry in first["state"].values() for k in entry})
-        optim = {"entries": len(first["state"]), "param_groups": len(first["param_groups"]), "state_keys": keys}
+        held = {pid for o in ranks.optims for pid in o["state"]}  # FSDP1: a rank lacks what it holds none of
+        keys = sorted({k for o in ranks.optims for entry in o["state"].values() for k in entry})
+        optim = {"entries": len(held), "param_groups": len(first["param_groups"]), "state_keys": keys}
     files = ranks.files
     return {
         "source": files.folder,
@@ -186,9 +187,7 @@ def _format_ranks(s: Dict[str, Any]) -> str:
         f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})",
         f"world size  {s['world_size']}",
         f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
-        "optimizer   FSDP1 flat-parameter slices (not read)"
-        if o is None and s["kind"] == "fsdp1" and s["optimizer_files"]
-        else "optimizer   none"
+        "optimizer   none"
         if o is None
         else f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), "
         f"state {', '.join(o['state_keys'])}",

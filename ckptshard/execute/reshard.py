@@ -388,7 +388,8 @@ def reshard_ranks(
     if ranks.kind == "fsdp1":
         raise CheckpointError(
             f"{ranks.files.folder}: FSDP1 SHARDED_STATE_DICT files cannot be resharded by ckptshard yet "
-            "(consolidate and convert --to dcp read their weights)"
+            "(consolidate and convert --to dcp read them, optimizer state included: FSDP1 and FSDP2 load the DCP "
+            "at any world size)"
         )
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP2 files runs in one process: start it without torchrun")

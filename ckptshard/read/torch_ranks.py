@@ -26,9 +26,10 @@ from ..errors import CheckpointError
 from ..formats.torch_pickle import Unsupported
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..osio.inputs import input_file
-from ..tensors import DTensorRef, Fill, Source, TensorRef, whole
+from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, whole
 from ..tree import leaves
 from .discover import find_shards
+from .tensor_data import fill_bytes
 from .torch_file import read_torch_file
 
 VERL_NAME = re.compile(r"^(?P<kind>model|optim|extra_state)_world_size_(?P<ws>\d+)_rank_(?P<rank>\d+)\.pt$")
@@ -172,8 +173,8 @@ class TorchRanks:
     """An opened per-rank torch FSDP checkpoint: its files and each rank's model (and optimizer) state.
 
     ``kind``: ``"fsdp2"`` (DTensors) or ``"fsdp1"`` (FSDP1's SHARDED_STATE_DICT: ShardedTensors, read
-    as the DTensors they amount to). FSDP1's optimizer files hold slices of flat parameters, which
-    ckptshard does not read yet: their commands say so rather than guess.
+    as the DTensors they amount to). FSDP1's optimizer files (``optimizer.state_dict()`` under
+    ``use_orig_params=True``) hold each rank's slice of every parameter's moments: joined in rank order.
     """
 
     def __init__(self, files: RankFiles, models: List[Any]) -> None:
@@ -194,18 +195,9 @@ class TorchRanks:
             )
         self._check_models()
         self.optims = None
-        if files.optim and self.kind == "fsdp2":
+        if files.optim:
             self.optims = [self._optim(p) for p in files.optim]
             self._check_optims()
-
-    def no_fsdp1_optimizer(self, what: str) -> None:
-        """Refuse ``what`` where it would need FSDP1's optimizer files."""
-        if self.kind == "fsdp1" and self.files.optim:
-            raise CheckpointError(
-                f"{self.files.optim[0]}: FSDP1's raw optimizer state (slices of flat parameters) is not read by "
-                f"ckptshard yet, so it cannot {what}; the model files can be consolidated or converted alone "
-                "(consolidate without --optimizer, convert --no-optimizer)"
-            )
 
     def _check_models(self) -> None:
         first, W = self.models[0], self.world_size
@@ -239,14 +231,18 @@ class TorchRanks:
         return dict(osd)
 
     def _check_optims(self) -> None:
+        assert self.optims is not None
         first = self.optims[0]
         for r, (osd, path) in enumerate(zip(self.optims, self.files.optim or ())):
-            if set(osd["state"]) != set(first["state"]):
+            # FSDP1 keeps no state for a parameter with no elements on a rank: its entries may differ by rank.
+            if self.kind == "fsdp2" and set(osd["state"]) != set(first["state"]):
                 raise CheckpointError(f"{path}: optimizer state of other parameters than rank 0's")
             if len(osd["param_groups"]) != len(first["param_groups"]) or any(
                 g.get("params") != g0.get("params") for g, g0 in zip(osd["param_groups"], first["param_groups"])
             ):
                 raise CheckpointError(f"{path}: param_groups differ from rank 0's")
+            if self.kind == "fsdp1":
+                continue
             for pid, entry in osd["state"].items():
                 for k, v in entry.items():
                     if isinstance(v, DTensorRef):
@@ -281,18 +277,31 @@ class TorchRanks:
 
     def optimizer_ids(self) -> List[Tuple[int, str]]:
         """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
-        self.no_fsdp1_optimizer("read the optimizer state")
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
         ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
         names = self.param_names()
         where = (self.files.optim or ("",))[0]
+        hint = ""
+        if self.kind == "fsdp1" and len(ids) < len(names):
+            twins = self._fsdp1_twins(names)
+            if len(names) - len(twins) == len(ids):
+                names = [n for n in names if n not in twins]
+            else:
+                hint = (
+                    f" (FSDP1's files record no ties: {len(twins)} name(s) repeat an earlier one's values"
+                    f"{': ' + ', '.join(twins) if twins else ''}; and FSDP1 without use_orig_params keeps one flat "
+                    "parameter per FSDP unit, whose contents are recorded nowhere: save with use_orig_params=True, "
+                    "or the optimizer through FSDP.optim_state_dict)"
+                )
         if len(ids) != len(names):
             raise CheckpointError(
                 f"{where}: the optimizer holds {len(ids)} parameters and the model {len(names)}: "
-                "they cannot be matched by order"
+                f"they cannot be matched by order{hint}"
             )
         pairs = list(zip(ids, names))
+        if self.kind == "fsdp1":
+            return pairs  # the slices' sizes are checked as they are joined
         model = self.models[0]
         for pid, name in pairs:
             for k, v in self.optims[0]["state"].get(pid, {}).items():
@@ -310,6 +319,11 @@ class TorchRanks:
         name_of = dict(pairs)
         state: Dict[str, Dict[str, Any]] = {}
         for pid, name in pairs:
+            if self.kind == "fsdp1":
+                joined = self._fsdp1_entry(pid, name)
+                if joined is not None:
+                    state[name] = joined
+                continue
             entry = self.optims[0]["state"].get(pid)
             if entry is None:
                 continue
@@ -326,7 +340,60 @@ class TorchRanks:
             groups.append(
                 {**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[p] for p in g["params"]]}
             )
+        if self.kind == "fsdp1":  # as torch orders FSDP1's full optimizer state: by name
+            state = dict(sorted(state.items()))
         return {"state": state, "param_groups": groups}
+
+    def _fsdp1_twins(self, names: List[str]) -> List[str]:
+        """The names whose values on every rank are an earlier name's, byte for byte: FSDP1's files store a
+        tied parameter once per name, as separate tensors, and record no tie. Taken as ties only when they
+        are exactly the names the optimizer lacks."""
+        seen = set()
+        twins: List[str] = []
+        for name in names:
+            v = self.models[0][name]
+            stored = fill_bytes(assemble([sd[name] for sd in self.models]))
+            key = (tuple(v.shape), str(v.dtype), stored)
+            if stored is not None and key in seen:
+                twins.append(name)
+            seen.add(key)
+        return twins
+
+    def _fsdp1_entry(self, pid: int, name: str) -> Optional[Dict[str, Any]]:
+        """One parameter's FSDP1 state joined: with ``use_orig_params=True`` each rank holds a 1-D slice of each
+        moment, the parameter's elements inside that rank's shard of its unit's flat parameter. The ranks'
+        shards are consecutive ranges of the flat parameter, so the slices in rank order are the whole,
+        whatever the unit's other parameters and padding. A rank holding none of it has no entry."""
+        assert self.optims is not None
+        held = [(r, o["state"][pid]) for r, o in enumerate(self.optims) if pid in o["state"]]
+        if not held:
+            return None
+        shape = tuple(self.models[0][name].shape)
+        where = (self.files.optim or ("",))[held[0][0]]
+        out: Dict[str, Any] = {}
+        for key, v0 in held[0][1].items():
+            if not isinstance(v0, TensorRef) or len(v0.shape) == 0:
+                out[key] = whole(v0) if isinstance(v0, TensorRef) else v0  # step: the same on every rank
+                continue
+            sources, start = [], 0
+            for r, entry in held:
+                piece = entry.get(key)
+                if not isinstance(piece, TensorRef) or len(piece.shape) != 1 or str(piece.dtype) != str(v0.dtype):
+                    raise CheckpointError(
+                        f"{self.files.optim[r]}: optimizer entry {pid} ({name})'s {key} is not a 1-D "  # type: ignore[index]
+                        f"{v0.dtype} slice like rank {held[0][0]}'s: not FSDP1 use_orig_params state"
+                    )
+                if piece.numel:
+                    sources.append(Source(piece, 0, start, piece.numel))
+                start += piece.numel
+            if start != numel(shape):
+                raise CheckpointError(
+                    f"{where}: optimizer entry {pid}'s {key} slices hold {start} elements over the ranks, "
+                    f"parameter {name} {list(shape)} has {numel(shape)}: the optimizer's parameters are not the "
+                    "model's in order"
+                )
+            out[key] = Fill(shape, v0.dtype, tuple(sources))
+        return out
 
 
 def open_torch_ranks(src: str) -> Optional[TorchRanks]:

@@ -228,10 +228,14 @@ def load_dcp(folder: str, out: str, world: int) -> None:
     run_world(_dcp_worker, world, folder, out)
 
 
-def _fsdp1_worker(rank: int, world: int, out: str) -> None:
-    """FSDP1 (``use_orig_params=True``, each block and the root), saved as verl saves FSDP1 runs."""
+def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
+    """FSDP1 (``use_orig_params=True``, each block and the root), saved as verl saves FSDP1 runs: the model
+    under SHARDED_STATE_DICT, the optimizer's raw ``state_dict()``. ``bf16``: bf16 compute over fp32 shards
+    (verl's mixed precision), which aligns each parameter in the flat parameter to 8 elements, not 4."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from torch.distributed.fsdp import (
         FullStateDictConfig,
+        MixedPrecision,
         ShardedOptimStateDictConfig,
         ShardedStateDictConfig,
         StateDictType,
@@ -240,7 +244,9 @@ def _fsdp1_worker(rank: int, world: int, out: str) -> None:
 
     torch.manual_seed(0)
     model = TiedLM()
-    kw = {"device_id": torch.device("cpu"), "use_orig_params": True}
+    kw: Dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": True}
+    if bf16:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i in range(len(model.blocks)):
         model.blocks[i] = FSDP(model.blocks[i], **kw)
     model = FSDP(model, **kw)
@@ -257,13 +263,16 @@ def _fsdp1_worker(rank: int, world: int, out: str) -> None:
     # offload_to_cpu with every rank gathering crashes torch on CPU (SIGSEGV); the tensors are on the CPU anyway
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
         full = model.state_dict()
+    full_optim = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
         torch.save(full, os.path.join(out, "ref", "full_model.pt"))
+        torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
 
 
-def build_fsdp1_run(out: str, world: int) -> None:
-    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` its full state,
-    ``local/`` its LOCAL_STATE_DICT files."""
+def build_fsdp1_run(out: str, world: int, bf16: bool = False) -> None:
+    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` and
+    ``ref/full_optim.pt`` its full state (``get_optimizer_state_dict(full_state_dict=True)``), ``local/`` its
+    LOCAL_STATE_DICT files."""
     os.makedirs(out, exist_ok=True)
-    run_world(_fsdp1_worker, world, out)
+    run_world(_fsdp1_worker, world, out, bf16)
