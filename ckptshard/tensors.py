@@ -115,6 +115,7 @@ class Fill:
 @dataclass(frozen=True, eq=False)
 class DTensorFill:
     """A DTensor to write (FSDP2's per-rank files): this rank's local tensor and the whole's shape.
+    ``sharded_tensor``: written as FSDP1's SHARDED_STATE_DICT writes it, a ShardedTensor of dim-0 chunks.
 
     Identity matters as for Fill: a tied parameter is one DTensor under two names.
     """
@@ -122,6 +123,7 @@ class DTensorFill:
     local: Fill
     shape: Tuple[int, ...]
     placements: Tuple[Tuple[str, int], ...]
+    sharded_tensor: bool = False
 
 
 Progress = Callable[[int], None]  # called with the bytes just written

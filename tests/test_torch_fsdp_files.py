@@ -203,10 +203,7 @@ def test_inspect_names_every_tensor_once_and_the_tie(runs):
 
 @pytest.fixture(scope="module")
 def fsdp1_runs(cache_root):
-    return {
-        w: _once(cache_root / f"fsdp1-ws{w}-{CODE}", lambda d, w=w: torch_fsdp_runs.build_fsdp1_run(d, w))
-        for w in (2, 3)
-    }
+    return {w: _fsdp1_run(cache_root, w, False) for w in (2, 3)}
 
 
 @pytest.mark.parametrize("w", (2, 3))
@@ -240,7 +237,9 @@ def test_fsdp1_raw_optimizer_files_consolidate_to_torchs_full_optimizer_state(ca
     _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
     _assert_equal(_load(tmp_path / "full.optim.pt"), _load(src / "ref" / "full_optim.pt"), "optim")
     s = ckptshard.inspect_checkpoint(str(src))
-    assert s["optimizer"]["entries"] == 14 and s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    assert s["optimizer"]["entries"] == 15 and s["optimizer"]["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+    # How the run was wrapped, told from the slices: each block and the root; 16 bytes of the compute dtype.
+    assert s["optimizer"]["fsdp1_units"] == f"root + blocks.* (3 units), aligned to {8 if bf16 else 4} elements"
 
 
 def test_fsdp1_optimizer_converts_to_a_dcp_fsdp2_loads_at_another_world_size(fsdp1_runs, tmp_path):
@@ -278,11 +277,60 @@ def test_fsdp1_optimizer_files_that_do_not_add_up_are_refused(fsdp1_runs, tmp_pa
     assert not (tmp_path / "a.pt").exists() and not (tmp_path / "a.optim.pt").exists()
 
 
-def test_fsdp1_reshard_and_local_state_dict_are_refused_not_guessed(fsdp1_runs, runs, tmp_path):
-    src = str(fsdp1_runs[2])
-    with pytest.raises(CheckpointError, match="cannot be resharded"):
-        ckptshard.reshard(src, str(tmp_path / "r"), 3, progress=False)
-    assert not list(tmp_path.iterdir())
+def _fsdp1_run(cache_root, w, bf16):
+    return _once(
+        cache_root / f"fsdp1-ws{w}-bf16{int(bf16)}-{CODE}", lambda d: torch_fsdp_runs.build_fsdp1_run(d, w, bf16)
+    )
+
+
+def _same_fsdp1_files(a, b, n):
+    """Folders ``a`` and ``b`` hold the same FSDP1 files at ``n``: raw optimizer state equal, tensor for tensor,
+    and the model files (ShardedTensors) equal under a process group of ``n``."""
+    for r in range(n):
+        name = f"optim_world_size_{n}_rank_{r}.pt"
+        _assert_equal(_load(a / name), _load(b / name), name)
+    torch_fsdp_runs.fsdp1_same_models(str(a), str(b), n)
+
+
+@pytest.mark.parametrize("m, bf16, n", [(3, False, 2), (2, False, 3), (3, True, 4)], ids=str)
+def test_fsdp1_reshard_is_what_fsdp1_at_n_saves(cache_root, m, bf16, n, tmp_path):
+    """The units and the alignment are told from the source's slices (each block and the root; 4 elements,
+    8 under bf16 compute); FSDP1 at N, loaded with the full state, is the oracle."""
+    src = _fsdp1_run(cache_root, m, bf16)
+    ckptshard.reshard(str(src), str(tmp_path / "ours"), n, progress=False)
+    torch_fsdp_runs.fsdp1_torch_at(str(src / "ref"), str(tmp_path / "torch"), n, bf16)
+    _same_fsdp1_files(tmp_path / "ours", tmp_path / "torch", n)
+    with open(tmp_path / "ours" / "fsdp_config.json") as f:
+        assert json.load(f)["world_size"] == n
+    if (m, n) == (3, 2):  # resumed as verl resumes: one more step equals one from torch's own files
+        torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "ours"), str(tmp_path / "ours.pt"), n)
+        torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "torch"), str(tmp_path / "theirs.pt"), n)
+        _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
+
+
+def test_fsdp1_reshard_chain_equals_one_reshard(cache_root, tmp_path):
+    src = _fsdp1_run(cache_root, 3, False)
+    ckptshard.reshard(str(src), str(tmp_path / "two"), 2, progress=False)
+    ckptshard.reshard(str(tmp_path / "two"), str(tmp_path / "chain"), 4, progress=False)
+    ckptshard.reshard(str(src), str(tmp_path / "direct"), 4, progress=False)
+    _same_fsdp1_files(tmp_path / "chain", tmp_path / "direct", 4)
+
+
+def test_fsdp1_reshard_refuses_what_it_would_guess(cache_root, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(_fsdp1_run(cache_root, 3, False), src)
+    with pytest.raises(CheckpointError, match="FSDP1 at world size 1 runs NO_SHARD"):
+        ckptshard.reshard(str(src), str(tmp_path / "one"), 1, progress=False)
+    a, b = src / "optim_world_size_3_rank_0.pt", src / "optim_world_size_3_rank_1.pt"
+    a.rename(tmp_path / "tmp.pt")
+    b.rename(a)
+    (tmp_path / "tmp.pt").rename(b)  # ranks 0 and 1 swapped: the slices fit no flat layout
+    with pytest.raises(CheckpointError, match="fit no grouping of the parameters into FSDP units"):
+        ckptshard.reshard(str(src), str(tmp_path / "r"), 2, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_fsdp1_local_state_dict_and_mixed_files_are_refused(fsdp1_runs, runs, tmp_path):
     with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param"):
         ckptshard.consolidate(str(fsdp1_runs[2] / "local"), str(tmp_path / "l.pt"), progress=False)
     mixed = tmp_path / "mixed"

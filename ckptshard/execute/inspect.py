@@ -7,8 +7,10 @@ from typing import Any, Dict, List
 
 from ..dtypes import dtype_name as _dtype
 from ..dtypes import itemsize_of
+from ..errors import CheckpointError
 from ..layout.chunking import padding
 from ..layout.model import state_dict_name
+from ..plan.torch_ranks import fsdp1_units
 from ..read.containers import container_summary
 from ..read.model_parts import find_model_parts, open_model_parts
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
@@ -136,6 +138,16 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
     }
 
 
+def _fsdp1_units(ranks: TorchRanks) -> str:
+    """The FSDP units the optimizer slices show (what reshard cuts by), in words."""
+    try:
+        units = fsdp1_units(ranks, ranks.world_size)
+    except CheckpointError as e:
+        return f"not told ({str(e).split(': ', 1)[-1].split(':')[0]})"
+    kinds = ", ".join(units.wrapped)
+    return f"root{' + ' + kinds if kinds else ''} ({len(units.units)} units), aligned to {units.align} elements"
+
+
 def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
     """torch FSDP2 per-rank files: each tensor's whole shape and placement, the optimizer, the other files."""
     tensors, values, total = [], [], 0
@@ -163,6 +175,8 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
         held = {pid for o in ranks.optims for pid in o["state"]}  # FSDP1: a rank lacks what it holds none of
         keys = sorted({k for o in ranks.optims for entry in o["state"].values() for k in entry})
         optim = {"entries": len(held), "param_groups": len(first["param_groups"]), "state_keys": keys}
+        if ranks.kind == "fsdp1":
+            optim["fsdp1_units"] = _fsdp1_units(ranks)
     files = ranks.files
     return {
         "source": files.folder,
@@ -192,6 +206,8 @@ def _format_ranks(s: Dict[str, Any]) -> str:
         else f"optimizer   {o['entries']} entries, {o['param_groups']} param group(s), "
         f"state {', '.join(o['state_keys'])}",
     ]
+    if o is not None and "fsdp1_units" in o:
+        lines.append(f"FSDP units  {o['fsdp1_units']}")
     if s["extra_state"] or s["carried"]:
         lines.append(f"also        {', '.join((['extra_state files'] if s['extra_state'] else []) + s['carried'])}")
     lines.append("")

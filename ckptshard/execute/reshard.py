@@ -18,7 +18,7 @@ from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.model_parallel import MpRule, rules_from
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
-from ..plan.torch_ranks import resharded_model, resharded_optimizer
+from ..plan.torch_ranks import Fsdp1Optimizer, resharded_model, resharded_optimizer
 from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
@@ -376,32 +376,37 @@ def shard(
 def reshard_ranks(
     ranks: TorchRanks, dst: str, world: int, overwrite: bool, progress: bool, optimizer: bool
 ) -> ReshardResult:
-    """torch FSDP2 per-rank files at ``world`` ranks, named and laid out as the source's.
+    """torch FSDP2 or FSDP1 per-rank files at ``world`` ranks, named and laid out as the source's.
 
     Each file is what ``model.state_dict()`` / ``optimizer.state_dict()``
-    of FSDP2 at ``world`` saves (torch pickles the DTensors, over a fake
-    process group). verl's ``extra_state`` files (LR scheduler, RNG states)
-    are copied byte for byte, never unpickled: new rank r gets old rank
-    ``r % M``'s. ``fsdp_config.json`` gets the new world size; the folder's
-    other entries (``huggingface/``) are copied.
+    of FSDP at ``world`` saves (torch pickles the DTensors or FSDP1's
+    ShardedTensors, over a fake process group; FSDP1's optimizer slices
+    are cut as the units' flat parameters at ``world`` cut them, the units
+    told from the source's slices: ``plan.torch_ranks.fsdp1_units``).
+    verl's ``extra_state`` files (LR scheduler, RNG states) are copied byte
+    for byte, never unpickled: new rank r gets old rank ``r % M``'s.
+    ``fsdp_config.json`` gets the new world size; the folder's other
+    entries (``huggingface/``) are copied.
     """
-    if ranks.kind == "fsdp1":
+    if ranks.kind == "fsdp1" and world == 1:
         raise CheckpointError(
-            f"{ranks.files.folder}: FSDP1 SHARDED_STATE_DICT files cannot be resharded by ckptshard yet "
-            "(consolidate and convert --to dcp read them, optimizer state included: FSDP1 and FSDP2 load the DCP "
-            "at any world size)"
+            "FSDP1 at world size 1 runs NO_SHARD and saves plain tensors, not ShardedTensors: consolidate "
+            "(--optimizer) writes that full state"
         )
     if torchrun_world() is not None:
-        raise CheckpointError("resharding torch FSDP2 files runs in one process: start it without torchrun")
+        raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
     files = ranks.files
     inputs = tuple(files.paths) + tuple(os.path.join(files.folder, n) for n in files.carried())
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     with_optim = optimizer and ranks.optims is not None
     wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
+    fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" else None
 
     def rank_trees(r: int) -> Dict[str, Any]:
         trees = {"model": resharded_model(ranks, world, r, wholes)}
-        if with_optim:
+        if fsdp1 is not None:
+            trees["optim"] = fsdp1.rank(r)
+        elif with_optim:
             trees["optim"] = resharded_optimizer(ranks, world, r, wholes)
         return trees
 

@@ -138,6 +138,15 @@ def finish_dtensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
     return DTensorPiece(shell, state["_local_tensor"], tuple(placement(p) for p in placements), spec.field("mesh", 0))
 
 
+def _rows_only(metadata: Any) -> bool:
+    """Whether a ShardedTensor's metadata has exactly one shard, at offset 0 (dim-0 chunks then, trivially)."""
+    shards = metadata.field("shards_metadata", 0) if isinstance(metadata, Record) else None
+    if not isinstance(shards, list) or len(shards) != 1 or not isinstance(shards[0], Record):
+        return False
+    offsets = shards[0].field("shard_offsets", 0)
+    return isinstance(offsets, list) and all(o == 0 for o in offsets)
+
+
 def finish_sharded_tensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
     """FSDP1's SHARDED_STATE_DICT ShardedTensor as the DTensor it amounts to: one rank's rows of dim 0.
 
@@ -147,9 +156,11 @@ def finish_sharded_tensor(shell: WrapperShell, state: Any) -> Optional[DTensorPi
     """
     if not (isinstance(state, tuple) and len(state) >= 4 and isinstance(state[0], list)):
         return None
-    shards, _, pg, spec = state[0], state[1], state[2], state[3]
+    shards, metadata, pg, spec = state[0], state[1], state[2], state[3]
     rank = pg.field("global_rank") if isinstance(pg, Record) else None
     dim = spec.field("dim") if isinstance(spec, Record) else None
+    if dim is None and _rows_only(metadata):
+        dim = 0  # one chunk (world size 1, or a single row): torch infers an enumerable spec of it
     if not isinstance(rank, int) or dim != 0 or len(shards) > 1:
         return None
     local = shards[0].field("tensor") if shards and isinstance(shards[0], Record) else None

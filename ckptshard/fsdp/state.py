@@ -23,3 +23,18 @@ def init_param_attributes(module: nn.Module) -> None:
     for m in fsdp_instances(module):
         for p in m.params:
             m._init_param_attributes(p)
+
+
+def torch_full_state(root: nn.Module, optim: Any) -> dict:
+    """torch's own full model and optimizer state dicts of a torch FSDP root (a collective), on the CPU."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(root, options=opts),
+        "optim": get_optimizer_state_dict(root, optim, options=opts),
+    }

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError
 from ..fsdp.loading import load_checkpoint
+from ..fsdp.state import torch_full_state
 
 CONTAINER_FILES = {
     "fairseq": ("checkpoint_last-shard{}.pt", "fsdp_metadata"),
@@ -188,19 +189,7 @@ def scheduler_state(framework: str, folder: str) -> Any:
 def full_state(framework: str, root: Any, optim: Any) -> Optional[Dict[str, Any]]:
     """torch's own full model and optimizer state dicts of an FSDP2 root (a collective); None for fairscale,
     whose final files are consolidated offline."""
-    if framework != "fsdp2":
-        return None
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {
-        "model": get_model_state_dict(root, options=opts),
-        "optim": get_optimizer_state_dict(root, optim, options=opts),
-    }
+    return torch_full_state(root, optim) if framework == "fsdp2" else None
 
 
 def local_files(folder: str) -> Dict[str, Any]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..errors import CheckpointError
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
+from ..layout.fsdp1_flat import FlatUnits, find_units, same_at
 from ..read.torch_ranks import TorchRanks, assemble
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
 
@@ -21,14 +23,14 @@ from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whol
 def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
     kind, dim = first.placements[0]
     if kind == "replicate":
-        return DTensorFill(full, tuple(first.shape), first.placements)
+        return DTensorFill(full, tuple(first.shape), first.placements, first.sharded_tensor)
     sizes = chunk_sizes(first.shape[dim], world)
     start = sum(sizes[:rank])
     sources = []
     for whole_at, piece_at, length in row_runs(first.shape, dim, start, sizes[rank]):
         sources.extend(sources_in(full, whole_at, whole_at + length, piece_at))
     local = Fill(local_shape(first.shape, dim, sizes[rank]), first.dtype, tuple(sources))
-    return DTensorFill(local, tuple(first.shape), first.placements)
+    return DTensorFill(local, tuple(first.shape), first.placements, first.sharded_tensor)
 
 
 Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled once for every output rank
@@ -77,3 +79,61 @@ def resharded_optimizer(ranks: TorchRanks, world: int, rank: int, wholes: Option
     groups: List[Dict[str, Any]] = [dict(g) for g in first["param_groups"]]
     others = {k: v for k, v in first.items() if k not in ("state", "param_groups")}
     return {**others, "state": state, "param_groups": groups}
+
+
+def fsdp1_units(ranks: TorchRanks, world: int) -> FlatUnits:
+    """How the FSDP1 checkpoint's parameters were grouped into units (and aligned), as its optimizer slices
+    show; refused where no grouping or several that differ at ``world`` ranks fit them."""
+    pairs, numels, seen = ranks.fsdp1_slices()
+    names = [name for _, name in pairs]
+    found = find_units(names, numels, seen, ranks.world_size)
+    where = (ranks.files.optim or ("",))[0]
+    if not found:
+        raise CheckpointError(
+            f"{where}: the FSDP1 optimizer slices fit no grouping of the parameters into FSDP units by module "
+            "(the root and up to two module kinds, e.g. model.layers.*) at 2-, 4- or 8-element alignment: "
+            "resharding them would guess; convert --to dcp and load that at the new world size"
+        )
+    chosen = same_at(found, numels, world)
+    if chosen is None:
+        shown = "; ".join(f"units {', '.join(c.wrapped) or 'root only'}, align {c.align}" for c in found[:3])
+        why = " (at world size 1 the slices show no grouping)" if ranks.world_size == 1 else ""
+        raise CheckpointError(
+            f"{where}: {len(found)} FSDP unit groupings fit the optimizer slices{why} and they cut the "
+            f"parameters differently at {world} ranks ({shown}): convert --to dcp and load that instead"
+        )
+    return chosen
+
+
+class Fsdp1Optimizer:
+    """FSDP1's raw ``optimizer.state_dict()`` of rank r of N (``use_orig_params=True``): each parameter's
+    moments sliced as its unit's flat parameter at N cuts it, ``step`` as stored, param groups rank 0's."""
+
+    def __init__(self, ranks: TorchRanks, world: int) -> None:
+        assert ranks.optims is not None
+        self.ranks, self.world = ranks, world
+        self.units = fsdp1_units(ranks, world)
+        pairs, numels, _ = ranks.fsdp1_slices()
+        self.pairs = pairs
+        self.at_n = self.units.slices(numels, world)
+        self.full = {pid: ranks.fsdp1_entry(pid, name) for pid, name in pairs}
+
+    def rank(self, rank: int) -> Dict[str, Any]:
+        assert self.ranks.optims is not None
+        state: Dict[Any, Dict[str, Any]] = {}
+        for (pid, _), slices in zip(self.pairs, self.at_n):
+            entry = self.full[pid]
+            if entry is None or rank not in slices:
+                continue  # FSDP1 keeps no state where a rank holds none of the parameter
+            start, count = slices[rank]
+            state[pid] = {k: self._slice(v, start, count) for k, v in entry.items()}
+        first = self.ranks.optims[0]
+        others = {k: v for k, v in first.items() if k not in ("state", "param_groups")}
+        return {**others, "state": state, "param_groups": [dict(g) for g in first["param_groups"]]}
+
+    @staticmethod
+    def _slice(v: Any, start: int, count: int) -> Any:
+        """A moment's flat elements ``[start, start + count)``; ``step`` (0-d) and other values as they are."""
+        if isinstance(v, Fill) and v.shape:
+            return Fill((count,), v.dtype, sources_in(v, start, start + count))
+        return v

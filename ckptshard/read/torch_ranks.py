@@ -320,7 +320,7 @@ class TorchRanks:
         state: Dict[str, Dict[str, Any]] = {}
         for pid, name in pairs:
             if self.kind == "fsdp1":
-                joined = self._fsdp1_entry(pid, name)
+                joined = self.fsdp1_entry(pid, name)
                 if joined is not None:
                     state[name] = joined
                 continue
@@ -359,7 +359,25 @@ class TorchRanks:
             seen.add(key)
         return twins
 
-    def _fsdp1_entry(self, pid: int, name: str) -> Optional[Dict[str, Any]]:
+    def fsdp1_slices(self) -> Tuple[List[Tuple[int, str]], List[int], List[Optional[Dict[int, Tuple[int, int]]]]]:
+        """FSDP1's optimizer files as the layout they show: (id, name) pairs in optimizer order, each
+        parameter's element count, and its slice on each rank holding some of it (first element, count),
+        None for a parameter with no state."""
+        assert self.optims is not None
+        pairs = self.optimizer_ids()
+        numels = [numel(self.models[0][name].shape) for _, name in pairs]
+        seen: List[Optional[Dict[int, Tuple[int, int]]]] = []
+        for pid, _ in pairs:
+            slices, start = {}, 0
+            for r, o in enumerate(self.optims):
+                moment = next((v for v in o["state"].get(pid, {}).values() if _is_slice(v)), None)
+                if moment is not None and moment.numel:
+                    slices[r] = (start, moment.numel)
+                    start += moment.numel
+            seen.append(slices or None)
+        return pairs, numels, seen
+
+    def fsdp1_entry(self, pid: int, name: str) -> Optional[Dict[str, Any]]:
         """One parameter's FSDP1 state joined: with ``use_orig_params=True`` each rank holds a 1-D slice of each
         moment, the parameter's elements inside that rank's shard of its unit's flat parameter. The ranks'
         shards are consecutive ranges of the flat parameter, so the slices in rank order are the whole,
@@ -394,6 +412,10 @@ class TorchRanks:
                 )
             out[key] = Fill(shape, v0.dtype, tuple(sources))
         return out
+
+
+def _is_slice(v: Any) -> bool:
+    return isinstance(v, TensorRef) and len(v.shape) == 1
 
 
 def open_torch_ranks(src: str) -> Optional[TorchRanks]:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..fsdp.launch import run_world
+from ..fsdp.state import torch_full_state
 
 STEPS = 2
 VOCAB, DIM, HIDDEN = 13, 6, 7  # rows that no world size from 2 to 4 divides evenly
@@ -47,11 +48,13 @@ class Block(nn.Module):
 
 class TiedLM(nn.Module):
     """Embedding tied to the output layer, two blocks of their own FSDP units, a 2-element parameter (an
-    empty piece from 3 ranks up) and a persistent buffer."""
+    empty piece from 3 ranks up), a one-row parameter (one chunk whatever the world size, like a ViT's
+    ``cls_token``) and a persistent buffer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
+        self.offset = nn.Parameter(torch.zeros(1, DIM))
         self.blocks = nn.ModuleList([Block(), Block()])
         self.gate = nn.Parameter(torch.ones(2))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -59,7 +62,7 @@ class TiedLM(nn.Module):
         self.register_buffer("position_scale", torch.linspace(0.5, 1.5, 5))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        x = self.embed(tokens) + self.offset
         x = x * self.position_scale[: tokens.shape[1], None].to(x.dtype)  # buffers stay fp32 under bf16 compute
         for b in self.blocks:
             x = b(x) * self.gate[0] + x * self.gate[1]
@@ -107,20 +110,6 @@ def _step(model: Any, optim: Any, sched: Any, step: int, rank: int, world: int) 
     return total.item() / 48
 
 
-def _full(model: Any, optim: Any) -> Dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {
-        "model": get_model_state_dict(model, options=opts),
-        "optim": get_optimizer_state_dict(model, optim, options=opts),
-    }
-
-
 def _save_rank_files(folder: str, model: Any, optim: Any, sched: Any, rank: int, world: int) -> None:
     import numpy as np
 
@@ -150,7 +139,7 @@ def _train_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
     for step in range(STEPS):
         _step(model, optim, sched, step, rank, world)
     _save_rank_files(out, model, optim, sched, rank, world)
-    full = _full(model, optim)
+    full = torch_full_state(model, optim)
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
         torch.save(full["model"], os.path.join(out, "ref", "full_model.pt"))
@@ -186,16 +175,19 @@ def _step_worker(rank: int, world: int, folder: str, out: str) -> None:
 
     model = wrapped(seed=7)
     optim, sched = make_optimizer(model)
-    model.load_state_dict(
-        torch.load(os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt"), weights_only=True)
-    )
-    optim.load_state_dict(
-        torch.load(os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"), weights_only=True)
-    )
+    _load_rank_files(model, optim, folder, rank, world)
     _step(model, optim, sched, STEPS, rank, world)
-    full = _full(model, optim)
+    full = torch_full_state(model, optim)
     if rank == 0:
         torch.save(full, out)
+
+
+def _load_rank_files(model: Any, optim: Any, folder: str, rank: int, world: int) -> None:
+    """As verl resumes: ``model.load_state_dict`` and ``optimizer.load_state_dict`` of this rank's files
+    (FSDP1's ShardedTensors need full unpickling)."""
+    for kind, target in (("model", model), ("optim", optim)):
+        path = os.path.join(folder, f"{kind}_world_size_{world}_rank_{rank}.pt")
+        target.load_state_dict(torch.load(path, weights_only=False))
 
 
 def step_from(folder: str, out: str, world: int) -> None:
@@ -218,7 +210,7 @@ def _dcp_worker(rank: int, world: int, folder: str, out: str) -> None:
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
-    full = _full(model, optim)
+    full = torch_full_state(model, optim)
     if rank == 0:
         torch.save(full, out)
 
@@ -228,51 +220,136 @@ def load_dcp(folder: str, out: str, world: int) -> None:
     run_world(_dcp_worker, world, folder, out)
 
 
-def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
-    """FSDP1 (``use_orig_params=True``, each block and the root), saved as verl saves FSDP1 runs: the model
-    under SHARDED_STATE_DICT, the optimizer's raw ``state_dict()``. ``bf16``: bf16 compute over fp32 shards
-    (verl's mixed precision), which aligns each parameter in the flat parameter to 8 elements, not 4."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    from torch.distributed.fsdp import (
-        FullStateDictConfig,
-        MixedPrecision,
-        ShardedOptimStateDictConfig,
-        ShardedStateDictConfig,
-        StateDictType,
-    )
+def fsdp1_wrapped(seed: int = 0, bf16: bool = False) -> Any:
+    """TiedLM under FSDP1 (``use_orig_params=True``, each block and the root a unit); ``bf16``: bf16 compute
+    over fp32 shards (verl's mixed precision), which aligns each parameter in its flat parameter to 8 elements,
+    not 4."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = TiedLM()
     kw: Dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": True}
     if bf16:
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i in range(len(model.blocks)):
         model.blocks[i] = FSDP(model.blocks[i], **kw)
-    model = FSDP(model, **kw)
-    optim, sched = make_optimizer(model)
-    for step in range(STEPS):
-        _step(model, optim, sched, step, rank, world)
+    return FSDP(model, **kw)
+
+
+def _sharded_state(model: Any) -> Any:
+    """FSDP1's SHARDED_STATE_DICT context, as verl sets it (offload to CPU)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
     sharded = (ShardedStateDictConfig(offload_to_cpu=True), ShardedOptimStateDictConfig(offload_to_cpu=True))
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, *sharded):
-        torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
-        torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
-    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):  # the flat parameters themselves
-        os.makedirs(os.path.join(out, "local"), exist_ok=True)
-        torch.save(model.state_dict(), os.path.join(out, "local", f"model_world_size_{world}_rank_{rank}.pt"))
+    return FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, *sharded)
+
+
+def _fsdp1_save(model: Any, optim: Any, folder: str, rank: int, world: int) -> None:
+    """As verl saves FSDP1: the model under SHARDED_STATE_DICT, the optimizer's raw ``state_dict()``."""
+    os.makedirs(folder, exist_ok=True)
+    with _sharded_state(model):
+        torch.save(model.state_dict(), os.path.join(folder, f"model_world_size_{world}_rank_{rank}.pt"))
+        torch.save(optim.state_dict(), os.path.join(folder, f"optim_world_size_{world}_rank_{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(folder, "fsdp_config.json"), "w") as f:
+            json.dump({"FSDP_version": 1, "world_size": world}, f)
+
+
+def _fsdp1_full(model: Any, optim: Any) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
     # offload_to_cpu with every rank gathering crashes torch on CPU (SIGSEGV); the tensors are on the CPU anyway
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
         full = model.state_dict()
-    full_optim = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    return {
+        "model": full,
+        "optim": get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True)),
+    }
+
+
+def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    model = fsdp1_wrapped(bf16=bf16)
+    optim, sched = make_optimizer(model)
+    for step in range(STEPS):
+        _step(model, optim, sched, step, rank, world)
+    _fsdp1_save(model, optim, out, rank, world)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):  # the flat parameters themselves
+        os.makedirs(os.path.join(out, "local"), exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(out, "local", f"model_world_size_{world}_rank_{rank}.pt"))
+    full = _fsdp1_full(model, optim)
     if rank == 0:
         os.makedirs(os.path.join(out, "ref"), exist_ok=True)
-        torch.save(full, os.path.join(out, "ref", "full_model.pt"))
-        torch.save(full_optim, os.path.join(out, "ref", "full_optim.pt"))
+        torch.save(full["model"], os.path.join(out, "ref", "full_model.pt"))
+        torch.save(full["optim"], os.path.join(out, "ref", "full_optim.pt"))
 
 
 def build_fsdp1_run(out: str, world: int, bf16: bool = False) -> None:
-    """FSDP1 SHARDED_STATE_DICT per-rank files of the same training, ``ref/full_model.pt`` and
+    """FSDP1 per-rank files of the same training, saved as verl saves them; ``ref/full_model.pt`` and
     ``ref/full_optim.pt`` its full state (``get_optimizer_state_dict(full_state_dict=True)``), ``local/`` its
     LOCAL_STATE_DICT files."""
     os.makedirs(out, exist_ok=True)
     run_world(_fsdp1_worker, world, out, bf16)
+
+
+def _fsdp1_at_worker(rank: int, world: int, ref: str, out: str, bf16: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = fsdp1_wrapped(seed=7, bf16=bf16)
+    optim, _ = make_optimizer(model)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        model.load_state_dict(torch.load(os.path.join(ref, "full_model.pt"), weights_only=True))
+    full_optim = torch.load(os.path.join(ref, "full_optim.pt"), weights_only=True)
+    set_optimizer_state_dict(model, optim, full_optim, options=StateDictOptions(full_state_dict=True))
+    _fsdp1_save(model, optim, out, rank, world)
+
+
+def fsdp1_torch_at(ref: str, out: str, world: int, bf16: bool = False) -> None:
+    """The full reference loaded into FSDP1 at ``world``, saved as verl saves: torch's own files at N."""
+    run_world(_fsdp1_at_worker, world, ref, out, bf16)
+
+
+def _fsdp1_compare_worker(rank: int, world: int, a: str, b: str) -> None:
+    name = f"model_world_size_{world}_rank_{rank}.pt"
+    got, want = (torch.load(os.path.join(d, name), weights_only=False) for d in (a, b))
+    assert list(got) == list(want), (name, list(got), list(want))
+    for k, w in want.items():
+        g = got[k]
+        assert type(g) is type(w), (name, k, type(g), type(w))
+        if not hasattr(w, "local_shards"):  # a buffer (a ShardedTensor is a torch.Tensor too)
+            assert torch.equal(g, w), (name, k)
+            continue
+        assert g.metadata() == w.metadata(), (name, k, g.metadata(), w.metadata())
+        gs, ws = g.local_shards(), w.local_shards()
+        assert [s.metadata for s in gs] == [s.metadata for s in ws], (name, k)
+        assert all(torch.equal(x.tensor, y.tensor) for x, y in zip(gs, ws)), (name, k)
+
+
+def fsdp1_same_models(a: str, b: str, world: int) -> None:
+    """Each rank's SHARDED_STATE_DICT file of folders ``a`` and ``b`` loaded under a process group of
+    ``world`` (ShardedTensors load nowhere else): same names, metadata and local shards, or an error."""
+    run_world(_fsdp1_compare_worker, world, a, b)
+
+
+def _fsdp1_step_worker(rank: int, world: int, folder: str, out: str, bf16: bool) -> None:
+    model = fsdp1_wrapped(seed=7, bf16=bf16)
+    optim, sched = make_optimizer(model)
+    with _sharded_state(model):
+        _load_rank_files(model, optim, folder, rank, world)
+    _step(model, optim, sched, STEPS, rank, world)
+    full = _fsdp1_full(model, optim)
+    if rank == 0:
+        torch.save(full, out)
+
+
+def fsdp1_step_from(folder: str, out: str, world: int, bf16: bool = False) -> None:
+    """Resume FSDP1 per-rank files at ``world`` as verl does, one more step; the full state after it."""
+    run_world(_fsdp1_step_worker, world, folder, out, bf16)

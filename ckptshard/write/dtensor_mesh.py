@@ -9,6 +9,7 @@ do nothing) gives a mesh of any size and rank without other processes.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 from ..errors import CheckpointError
@@ -54,3 +55,35 @@ def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
         stride.append(acc)
         acc *= s
     return DTensor.from_local(local, mesh, kinds, run_check=False, shape=tuple(shape), stride=tuple(reversed(stride)))
+
+
+def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
+    """FSDP1's SHARDED_STATE_DICT ShardedTensor of ``local``, this rank's dim-0 chunk of ``shape`` (as
+    ``torch.chunk`` cuts it: a rank past the last chunk holds no shard), no communication. Placements are
+    CPU ones, as FSDP1 with ``offload_to_cpu`` (verl's) saves them."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    if placements != (("shard", 0),):
+        raise AssertionError(f"FSDP1 shards dim 0, not {placements}")
+    rank, world = mesh.get_local_rank(), mesh.size()
+    step = -(-shape[0] // world) if shape[0] else 0
+    chunks = -(-shape[0] // step) if step else 0
+    rest = [0] * (len(shape) - 1)
+    metadata = [
+        ShardMetadata([r * step, *rest], [min(step, shape[0] - r * step), *shape[1:]], f"rank:{r}/cpu")
+        for r in range(chunks)
+    ]
+    local_shards = [Shard.from_tensor_and_offsets(local, [rank * step, *rest], rank)] if rank < chunks else []
+    properties = TensorProperties(
+        dtype=local.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    meta = ShardedTensorMetadata(shards_metadata=metadata, size=torch.Size(shape), tensor_properties=properties)
+    with warnings.catch_warnings():  # torch deprecates ShardedTensor; FSDP1's files hold them all the same
+        warnings.simplefilter("ignore")
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, sharded_tensor_metadata=meta)

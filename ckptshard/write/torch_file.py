@@ -21,7 +21,7 @@ from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
 from ..tensors import DTensorFill, DTensorRef, Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
-from .dtensor_mesh import dtensor_of
+from .dtensor_mesh import dtensor_of, sharded_tensor_of
 
 if TYPE_CHECKING:
     import torch
@@ -237,7 +237,8 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None)
             dtensors = True
             if id(leaf) not in fakes:
                 local = placeholder(leaf.local.shape, leaf.local.dtype)
-                fakes[id(leaf)] = dtensor_of(local, mesh, leaf.shape, leaf.placements)
+                make = sharded_tensor_of if leaf.sharded_tensor else dtensor_of
+                fakes[id(leaf)] = make(local, mesh, leaf.shape, leaf.placements)
             return fakes[id(leaf)]
         if not isinstance(leaf, Fill):
             return leaf
