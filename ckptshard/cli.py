@@ -238,6 +238,14 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @reshape_options
 @mp_rule_options
 @click.option(
+    "--like",
+    "like",
+    default=None,
+    type=click.Path(exists=True),
+    help="For FSDP1 LOCAL_STATE_DICT files (flat parameters): the model's full state dict (its safetensors, "
+    "a torch.save file or an index folder), whose names, shapes and ties say what the flat parameters hold.",
+)
+@click.option(
     "--jobs",
     "-j",
     default=0,
@@ -267,6 +275,7 @@ def consolidate(
     mp_rules: tuple,
     mp_presets: tuple,
     mp_tolerance: float,
+    like: Optional[str],
     jobs: int,
     overwrite: bool,
     trust_pickles: bool,
@@ -296,6 +305,7 @@ def consolidate(
             mp_rules=mp_rules,
             mp_presets=mp_presets,
             mp_tolerance=mp_tolerance,
+            like=like,
         ),
     )
     if _leads():

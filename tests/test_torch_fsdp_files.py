@@ -253,28 +253,62 @@ def test_fsdp1_optimizer_converts_to_a_dcp_fsdp2_loads_at_another_world_size(fsd
     _assert_equal(full["optim"], want, "optim")
 
 
-@pytest.mark.parametrize(
-    "damage, message",
-    [
-        ("rank_twice", "slices hold .* elements over the ranks"),
-        ("flat_params", "FSDP1 without use_orig_params keeps one flat parameter per FSDP unit"),
-    ],
-)
-def test_fsdp1_optimizer_files_that_do_not_add_up_are_refused(fsdp1_runs, tmp_path, damage, message):
+@pytest.fixture(scope="module")
+def flat_params_run(cache_root):
+    """FSDP1 without use_orig_params: the optimizer holds one flat parameter per unit."""
+    return _once(cache_root / f"fsdp1-flat-ws3-{CODE}", lambda d: torch_fsdp_runs.build_fsdp1_run(d, 3, False, False))
+
+
+def test_fsdp1_optimizer_files_that_do_not_add_up_are_refused(fsdp1_runs, flat_params_run, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(fsdp1_runs[3], src)
-    if damage == "rank_twice":
-        shutil.copy(src / "optim_world_size_3_rank_0.pt", src / "optim_world_size_3_rank_1.pt")
-    else:  # what use_orig_params=False saves: one entry per FSDP unit (3 here)
-        for r in range(3):
-            path = src / f"optim_world_size_3_rank_{r}.pt"
-            osd = _load(path)
-            osd["param_groups"][0]["params"] = [0, 1, 2]
-            osd["state"] = {k: v for k, v in osd["state"].items() if k < 3}
-            torch.save(osd, path)
-    with pytest.raises(CheckpointError, match=message):
-        ckptshard.consolidate(str(src), str(tmp_path / "a.pt"), optimizer=True, progress=False)
-    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "a.optim.pt").exists()
+    shutil.copy(src / "optim_world_size_3_rank_0.pt", src / "optim_world_size_3_rank_1.pt")
+    for folder, message in (
+        (src, "slices hold .* elements over the ranks"),
+        (flat_params_run, "FSDP1 without use_orig_params keeps one flat parameter per FSDP unit"),
+    ):
+        with pytest.raises(CheckpointError, match=message):
+            ckptshard.consolidate(str(folder), str(tmp_path / "a.pt"), optimizer=True, progress=False)
+        assert not (tmp_path / "a.pt").exists() and not (tmp_path / "a.optim.pt").exists()
+    ckptshard.consolidate(str(flat_params_run), str(tmp_path / "w.pt"), progress=False)  # the weights alone
+    _assert_equal(_load(tmp_path / "w.pt"), _load(flat_params_run / "ref" / "full_model.pt"), "model")
+
+
+@pytest.mark.parametrize("w, bf16, orig", [(2, False, True), (3, False, True), (3, True, True), (3, False, False)])
+def test_fsdp1_local_state_dict_consolidates_with_like(cache_root, flat_params_run, w, bf16, orig, tmp_path):
+    """LOCAL_STATE_DICT: each unit's flat parameter (and, under use_orig_params, each parameter's 1-D slice on
+    the rank); --like, the model's full state dict, says what they hold. Without use_orig_params the
+    parameters are cut from the flat parameters, the tied output layer found once in the root's."""
+    from safetensors.torch import save_file
+
+    src = _fsdp1_run(cache_root, w, bf16) if orig else flat_params_run
+    want = _load(src / "ref" / "full_model.pt")
+    if orig:  # the slices need only names and shapes: the model's safetensors will do (names sorted)
+        like = tmp_path / "like.safetensors"
+        save_file({k: v.clone() for k, v in want.items()}, like)
+    else:  # cutting flat parameters needs the model's order, which torch.save keeps
+        like = tmp_path / "like.pt"
+        torch.save(want, like)
+    ckptshard.consolidate(str(src / "local"), str(tmp_path / "full.pt"), like=str(like), progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), want, "model")
+
+
+def test_fsdp1_local_state_dict_needs_the_same_model_as_like(flat_params_run, runs, tmp_path):
+    local = str(flat_params_run / "local")
+    with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param.*pass --like"):
+        ckptshard.consolidate(local, str(tmp_path / "a.pt"), progress=False)
+    other = {k: v for k, v in _load(flat_params_run / "ref" / "full_model.pt").items() if k != "gate"}
+    torch.save(other, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="has 86 elements in its flat parameter, and the parameters --like"):
+        ckptshard.consolidate(local, str(tmp_path / "a.pt"), like=str(tmp_path / "other.pt"), progress=False)
+    with pytest.raises(CheckpointError, match="--like is for FSDP1 LOCAL_STATE_DICT files"):
+        ckptshard.consolidate(str(runs[2]), str(tmp_path / "a.pt"), like=str(tmp_path / "other.pt"), progress=False)
+    from safetensors.torch import save_file
+
+    save_file({k: v.clone() for k, v in other.items()}, tmp_path / "sorted.safetensors")
+    with pytest.raises(CheckpointError, match="a safetensors --like lists names sorted"):
+        ckptshard.consolidate(local, str(tmp_path / "a.pt"), like=str(tmp_path / "sorted.safetensors"), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt", "sorted.safetensors"]
 
 
 def _fsdp1_run(cache_root, w, bf16):
@@ -330,9 +364,7 @@ def test_fsdp1_reshard_refuses_what_it_would_guess(cache_root, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
-def test_fsdp1_local_state_dict_and_mixed_files_are_refused(fsdp1_runs, runs, tmp_path):
-    with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param"):
-        ckptshard.consolidate(str(fsdp1_runs[2] / "local"), str(tmp_path / "l.pt"), progress=False)
+def test_fsdp1_and_fsdp2_files_mixed_are_refused(fsdp1_runs, runs, tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(fsdp1_runs[2], mixed)
     shutil.copy(runs[2] / "model_world_size_2_rank_1.pt", mixed / "model_world_size_2_rank_1.pt")

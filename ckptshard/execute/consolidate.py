@@ -17,6 +17,7 @@ from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.model_parallel import MpRule, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
+from ..read.full_state import full_state_refs, keeps_model_order
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
 from ..read.torch_ranks import TorchRanks, open_torch_ranks
@@ -245,6 +246,7 @@ def consolidate(
     mp_rules: Sequence[str] = (),
     mp_presets: Sequence[str] = (),
     mp_tolerance: float = DEFAULT_TOLERANCE,
+    like: Optional[str] = None,
 ) -> ConsolidateResult:
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
@@ -268,6 +270,8 @@ def consolidate(
             ``model_part-K-shardR``): ``REGEX=DIM[/GROUPS]`` rules and presets (``"metaseq"``) saying which
             tensors tensor parallelism split (see ``ckptshard.plan.model_parallel``); every other tensor must be
             the same in every part, within ``mp_tolerance`` (relative). Without rules, one full file per part.
+        like: for FSDP1 LOCAL_STATE_DICT files, the model's full state dict (safetensors, torch.save or an
+            index folder): its names, shapes and ties say what each flat parameter holds.
 
     Returns:
         ``ConsolidateResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes), ``notes``
@@ -293,7 +297,10 @@ def consolidate(
         out, fmt, container, optimizer, overwrite, trust_pickles, progress,
         tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs,
     )  # fmt: skip
-    ranks = open_torch_ranks(src)
+    like_refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
+    ranks = open_torch_ranks(src, like_refs, keeps_model_order(like) if like else True)
+    if like and (ranks is None or ranks.local is None):
+        raise CheckpointError(f"{src}: --like is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
     if ranks is not None:
         if container:
             raise CheckpointError(f"{src}: torch FSDP2 per-rank files have no container to keep: drop --container")

@@ -90,3 +90,9 @@ def full_state_refs(path: str, trust_pickles: bool = False, torch_free: bool = F
     if not isinstance(obj, Mapping) or not all(isinstance(v, TensorRef) for v in obj.values()):
         raise CheckpointError(f"{path}: not a flat {{name: tensor}} state dict")
     return obj
+
+
+def keeps_model_order(path: str) -> bool:
+    """Whether the full state dict at ``path`` lists names in the model's order: torch.save keeps the order of
+    ``state_dict()``; safetensors files (and so index folders) store names sorted."""
+    return not (os.path.isdir(path) or path.endswith(".safetensors"))

@@ -26,7 +26,7 @@ from ..errors import CheckpointError
 from ..formats.torch_pickle import Unsupported
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..osio.inputs import input_file
-from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, whole
+from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
 from ..tree import leaves
 from .discover import find_shards
 from .tensor_data import fill_bytes
@@ -177,7 +177,13 @@ class TorchRanks:
     ``use_orig_params=True``) hold each rank's slice of every parameter's moments: joined in rank order.
     """
 
-    def __init__(self, files: RankFiles, models: List[Any]) -> None:
+    def __init__(
+        self,
+        files: RankFiles,
+        models: List[Any],
+        like: Optional[Mapping[str, TensorRef]] = None,
+        like_ordered: bool = True,
+    ) -> None:
         self.files = files
         self.world_size = files.world_size
         self.models = [_model_dict(t, p) for t, p in zip(models, files.model)]
@@ -186,13 +192,16 @@ class TorchRanks:
             bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
             raise CheckpointError(f"{bad}: FSDP1 (ShardedTensor) and FSDP2 (DTensor) files mixed in one checkpoint")
         self.kind = "fsdp1" if True in kinds[0] else "fsdp2"
-        flat = next((k for k in self.models[0] if k.rsplit(".", 1)[-1] in ("flat_param", "_flat_param")), None)
+        self.local: Optional[LocalStateDict] = None
+        flat = next((k for k in self.models[0] if _flat_prefix(k) is not None), None)
         if flat is not None:
-            raise CheckpointError(
-                f"{files.model[0]}: an FSDP1 LOCAL_STATE_DICT ({flat}: one flat parameter per FSDP unit, which "
-                "does not record the parameters it holds); ckptshard reads SHARDED_STATE_DICT files (verl's "
-                "default): save with that, or with FULL_STATE_DICT"
-            )
+            if like is None:
+                raise CheckpointError(
+                    f"{files.model[0]}: an FSDP1 LOCAL_STATE_DICT ({flat}: one flat parameter per FSDP unit, which "
+                    "does not record the parameters it holds): pass --like FULL, the model's full state dict "
+                    "(its own safetensors or torch.save file: names, shapes, ties), to consolidate it"
+                )
+            self.local = LocalStateDict(self.models, dict(like), files.model[0], like_ordered)
         self._check_models()
         self.optims = None
         if files.optim:
@@ -219,8 +228,10 @@ class TorchRanks:
                     ):
                         raise CheckpointError(f"{path}: {name} differs from rank 0's (shape, dtype or placement)")
                     _check_piece(name, v, r, W, path)
-                elif isinstance(v, TensorRef) and (
-                    not isinstance(v0, TensorRef) or (v.shape, str(v.dtype)) != (v0.shape, str(v0.dtype))
+                elif (
+                    isinstance(v, TensorRef)
+                    and self.local is None  # LOCAL_STATE_DICT: each rank's slice of an original parameter
+                    and (not isinstance(v0, TensorRef) or (v.shape, str(v.dtype)) != (v0.shape, str(v0.dtype)))
                 ):
                     raise CheckpointError(f"{path}: {name} differs from rank 0's in shape or dtype")
 
@@ -261,6 +272,8 @@ class TorchRanks:
 
     def full_model(self) -> Dict[str, Any]:
         """Every name's whole tensor as a Fill (a tie is one Fill); plain tensors and values from rank 0."""
+        if self.local is not None:
+            return self.local.full_model()
         out: Dict[str, Any] = {}
         tied: Dict[Any, Fill] = {}
         for name, v in self.models[0].items():
@@ -277,6 +290,11 @@ class TorchRanks:
 
     def optimizer_ids(self) -> List[Tuple[int, str]]:
         """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
+        if self.local is not None:
+            raise CheckpointError(
+                f"{(self.files.optim or self.files.model)[0]}: the optimizer state beside an FSDP1 "
+                "LOCAL_STATE_DICT is not read by ckptshard (its weights are: drop --optimizer)"
+            )
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
         ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
@@ -414,16 +432,132 @@ class TorchRanks:
         return out
 
 
+def _flat_prefix(name: str) -> Optional[str]:
+    """``blocks.0.`` for ``blocks.0._flat_param`` (an FSDP1 unit's flat parameter), ``""`` for the root's."""
+    head, _, last = name.rpartition(".")
+    return (head + "." if head else "") if last in ("_flat_param", "flat_param") else None
+
+
+class LocalStateDict:
+    """FSDP1's LOCAL_STATE_DICT files read with the model's full state dict ``like`` (names, shapes, ties).
+
+    Each unit's flat parameter is stored as rank-sized chunks (a ShardedTensor). Under ``use_orig_params``
+    the files also hold each original parameter's 1-D slice on that rank: joined in rank order they are the
+    parameter, whatever the flat layout. Without it, the parameters are cut from the flat parameters as FSDP1
+    lays them out: each unit's parameters (those under its module and no deeper unit) in ``like``'s order, a
+    tie once, no padding between them; each unit's size is checked.
+    """
+
+    def __init__(self, models: List[Dict[str, Any]], like: Dict[str, TensorRef], where: str, ordered: bool) -> None:
+        self.models, self.like, self.where, self.ordered = models, like, where, ordered
+        first = models[0]
+        unknown = next((k for k in first if _flat_prefix(k) is None and k not in like), None)
+        if unknown is not None:
+            raise CheckpointError(f"{where}: holds {unknown}, which --like lacks: not the same model")
+        self.flats = {_flat_prefix(k): assemble([sd[k] for sd in models]) for k in first if _flat_prefix(k) is not None}
+
+    def _slices(self, name: str, ref: TensorRef) -> Optional[Fill]:
+        """The parameter joined from each rank's 1-D slice (``use_orig_params``), or None if not stored so."""
+        pieces = [sd.get(name) for sd in self.models]
+        if not all(isinstance(p, TensorRef) and len(p.shape) == 1 for p in pieces):
+            return None
+        if sum(p.numel for p in pieces) != ref.numel:
+            return None
+        sources, start = [], 0
+        for p in pieces:
+            if p.numel:
+                sources.append(Source(p, 0, start, p.numel))
+            start += p.numel
+        return Fill(tuple(ref.shape), pieces[0].dtype, tuple(sources))
+
+    def full_model(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        flat_params: List[str] = []
+        for name, ref in self.like.items():
+            v0 = self.models[0].get(name)
+            joined = self._slices(name, ref)
+            if joined is not None:
+                out[name] = joined
+            elif isinstance(v0, TensorRef) and tuple(v0.shape) == tuple(ref.shape):
+                out[name] = whole(v0)  # a buffer: whole on every rank, rank 0's as FSDP1's full state dict
+            elif v0 is None:
+                flat_params.append(name)
+            else:
+                raise CheckpointError(
+                    f"{self.where}: {name} is stored as {list(v0.shape)}, --like has {list(ref.shape)}: "
+                    "not the same model"
+                )
+        out.update(self._cut(flat_params))
+        # The model's order: like's if it keeps it, else the files' (each name there under use_orig_params).
+        order = list(self.like) if self.ordered else [k for k in self.models[0] if _flat_prefix(k) is None]
+        return {name: out[name] for name in order + [n for n in self.like if n not in order]}
+
+    def _cut(self, names: List[str]) -> Dict[str, Fill]:
+        """``names`` (in ``like``'s order) cut from the flat parameters."""
+        if names and not self.ordered:
+            raise CheckpointError(
+                f"{self.where}: {names[0]} is only in a flat parameter, laid out in the model's parameter order, "
+                "and a safetensors --like lists names sorted: pass a torch.save state dict of the model "
+                "(model.state_dict(), or FSDP1's FULL_STATE_DICT)"
+            )
+        prefixes = sorted(self.flats, key=len, reverse=True)
+        units: Dict[str, List[str]] = {}
+        for name in names:
+            unit = next((p for p in prefixes if name.startswith(p)), None)
+            if unit is None:
+                raise CheckpointError(f"{self.where}: {name} is under no FSDP unit's flat parameter")
+            units.setdefault(unit, []).append(name)
+        out: Dict[str, Fill] = {}
+        for unit, members in units.items():
+            flat = self.flats[unit]
+            stored, twins = self._untied(members, flat.numel)
+            at = 0
+            for name in stored:
+                ref = self.like[name]
+                out[name] = Fill(tuple(ref.shape), flat.dtype, sources_in(flat, at, at + ref.numel))
+                at += ref.numel
+            for name, twin in twins.items():
+                out[name] = out[twin]
+        return out
+
+    def _untied(self, members: List[str], size: int) -> Tuple[List[str], Dict[str, str]]:
+        """The unit's parameters stored in its flat parameter of ``size`` elements, and the ties left out
+        (a later name whose values in ``like`` equal an earlier one's, taken as a tie if the sizes say so)."""
+        total = sum(self.like[n].numel for n in members)
+        if total == size:
+            return members, {}
+        seen: Dict[Tuple[Any, ...], str] = {}
+        twins: Dict[str, str] = {}
+        for name in members:
+            ref = self.like[name]
+            key = (tuple(ref.shape), str(ref.dtype), fill_bytes(whole(ref)))
+            if key[2] is not None and key in seen:
+                twins[name] = seen[key]
+            else:
+                seen.setdefault(key, name)
+        if total - sum(self.like[n].numel for n in twins) != size:
+            unit = next(iter(members))
+            raise CheckpointError(
+                f"{self.where}: the FSDP unit holding {unit} has {size} elements in its flat parameter, and the "
+                f"parameters --like puts there {total}: not the same model or wrapping"
+            )
+        return [n for n in members if n not in twins], twins
+
+
 def _is_slice(v: Any) -> bool:
     return isinstance(v, TensorRef) and len(v.shape) == 1
 
 
-def open_torch_ranks(src: str) -> Optional[TorchRanks]:
-    """``src`` opened as torch FSDP2 per-rank files, or None if it is not such a checkpoint."""
+def open_torch_ranks(
+    src: str, like: Optional[Mapping[str, TensorRef]] = None, like_ordered: bool = True
+) -> Optional[TorchRanks]:
+    """``src`` opened as torch FSDP per-rank files, or None if it is not such a checkpoint. ``like``: the
+    model's full state dict, which FSDP1's LOCAL_STATE_DICT files need (``like_ordered``: its names in the
+    model's order, as torch.save keeps them and safetensors does not)."""
     found = find_torch_ranks(src)
     if found is None:
         return None
     files, models = found
     for p in files.paths:
         input_file(p)
-    return TorchRanks(files, models)
+    return TorchRanks(files, models, like, like_ordered)

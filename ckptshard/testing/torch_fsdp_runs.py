@@ -220,16 +220,16 @@ def load_dcp(folder: str, out: str, world: int) -> None:
     run_world(_dcp_worker, world, folder, out)
 
 
-def fsdp1_wrapped(seed: int = 0, bf16: bool = False) -> Any:
-    """TiedLM under FSDP1 (``use_orig_params=True``, each block and the root a unit); ``bf16``: bf16 compute
-    over fp32 shards (verl's mixed precision), which aligns each parameter in its flat parameter to 8 elements,
-    not 4."""
+def fsdp1_wrapped(seed: int = 0, bf16: bool = False, orig_params: bool = True) -> Any:
+    """TiedLM under FSDP1 (each block and the root a unit, ``use_orig_params=orig_params``); ``bf16``: bf16
+    compute over fp32 shards (verl's mixed precision), which aligns each parameter in its flat parameter to 8
+    elements, not 4."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
 
     torch.manual_seed(seed)
     model = TiedLM()
-    kw: Dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": True}
+    kw: Dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": orig_params}
     if bf16:
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for i in range(len(model.blocks)):
@@ -271,11 +271,11 @@ def _fsdp1_full(model: Any, optim: Any) -> Dict[str, Any]:
     }
 
 
-def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
+def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False, orig_params: bool = True) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import StateDictType
 
-    model = fsdp1_wrapped(bf16=bf16)
+    model = fsdp1_wrapped(bf16=bf16, orig_params=orig_params)
     optim, sched = make_optimizer(model)
     for step in range(STEPS):
         _step(model, optim, sched, step, rank, world)
@@ -290,12 +290,12 @@ def _fsdp1_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
         torch.save(full["optim"], os.path.join(out, "ref", "full_optim.pt"))
 
 
-def build_fsdp1_run(out: str, world: int, bf16: bool = False) -> None:
+def build_fsdp1_run(out: str, world: int, bf16: bool = False, orig_params: bool = True) -> None:
     """FSDP1 per-rank files of the same training, saved as verl saves them; ``ref/full_model.pt`` and
     ``ref/full_optim.pt`` its full state (``get_optimizer_state_dict(full_state_dict=True)``), ``local/`` its
     LOCAL_STATE_DICT files."""
     os.makedirs(out, exist_ok=True)
-    run_world(_fsdp1_worker, world, out, bf16)
+    run_world(_fsdp1_worker, world, out, bf16, orig_params)
 
 
 def _fsdp1_at_worker(rank: int, world: int, ref: str, out: str, bf16: bool) -> None:
