@@ -299,14 +299,17 @@ save_file({k: torch.cat([sd[k].to_local() for sd in ranks]) for k in ranks[0]}, 
 
 
 def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str, Tuple[float, int, float]]:
-    """FSDP2 per-rank files (verl's names): consolidate and reshard against cp -r and an in-memory merge."""
-    src = os.path.join(work, f"fsdp2-{size_gib:g}g-{ranks}")
-    if not os.path.isdir(src):
-        code = (
-            "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
-            f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}))"
-        )
-        subprocess.run([PY, "-c", code, src], check=True)
+    """torch FSDP per-rank files (verl's names), FSDP2 and FSDP1: consolidate and reshard against cp -r and an
+    in-memory merge."""
+    src, src1 = (os.path.join(work, f"fsdp{v}-{size_gib:g}g-{ranks}") for v in (2, 1))
+    for folder, fsdp1 in ((src, False), (src1, True)):
+        if not os.path.isdir(folder):
+            code = (
+                "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
+                f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, "
+                f"width_for(int({size_gib} * 2**30), {LAYERS}), fsdp1={fsdp1})"
+            )
+            subprocess.run([PY, "-c", code, folder], check=True)
     out = os.path.join(work, "out")
     cli = [PY, "-m", "ckptshard.cli"]
     merged = out + ".safetensors"
@@ -318,8 +321,13 @@ def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str
         ),
         ("ckptshard reshard 8->3 --no-fsync", [*cli, "reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
         ("all ranks in memory, torch.cat, save_file", [PY, "-c", MERGE_IN_MEMORY, src, str(ranks), merged]),
+        (
+            "FSDP1: ckptshard consolidate -> .safetensors --no-fsync",
+            [*cli, "consolidate", src1, "-o", merged, "-q", "--no-fsync"],
+        ),
+        ("FSDP1: ckptshard reshard 8->3 --no-fsync", [*cli, "reshard", src1, "-n", "3", "-o", out, "-q", "--no-fsync"]),
     ]
-    return interleave(cases, repeat, src, out, lambda name, cmd: src)
+    return interleave(cases, repeat, src, out, lambda name, cmd: src1 if name.startswith("FSDP1") else src)
 
 
 MANY = (64, 400, 0.25)  # shards, FSDP instances, GiB of weights (+ Adam state: 0.75 GiB in all)

@@ -121,11 +121,14 @@ def write_synthetic(
     return paths
 
 
-def write_synthetic_fsdp2(out: str, world_size: int, layers: int, width: int) -> None:
+def write_synthetic_fsdp2(out: str, world_size: int, layers: int, width: int, fsdp1: bool = False) -> None:
     """verl-style FSDP2 per-rank files (``model_world_size_{W}_rank_{r}.pt``) of ``layers`` Linear layers,
-    each weight a DTensor of ``width`` + 1 rows (uneven over most world sizes), made over a fake process group."""
+    each weight a DTensor of ``width`` + 1 rows (uneven over most world sizes), made over a fake process group.
+    ``fsdp1``: FSDP1's SHARDED_STATE_DICT files instead (ShardedTensors of the same rows)."""
     from ..layout.dim_shards import chunk_sizes
-    from ..write.dtensor_mesh import dtensor_of, fake_mesh
+    from ..write.dtensor_mesh import dtensor_of, fake_mesh, sharded_tensor_of
+
+    make = sharded_tensor_of if fsdp1 else dtensor_of
 
     os.makedirs(out, exist_ok=True)
     rows = width + 1
@@ -136,8 +139,8 @@ def write_synthetic_fsdp2(out: str, world_size: int, layers: int, width: int) ->
             sd = {}
             for i in range(layers):
                 local = torch.randn(sizes[r], width, generator=g)
-                sd[f"layers.{i}.weight"] = dtensor_of(local, mesh, (rows, width), (("shard", 0),))
-                sd[f"layers.{i}.bias"] = dtensor_of(torch.randn(sizes[r], generator=g), mesh, (rows,), (("shard", 0),))
+                sd[f"layers.{i}.weight"] = make(local, mesh, (rows, width), (("shard", 0),))
+                sd[f"layers.{i}.bias"] = make(torch.randn(sizes[r], generator=g), mesh, (rows,), (("shard", 0),))
             torch.save(sd, os.path.join(out, f"model_world_size_{world_size}_rank_{r}.pt"))
 
 

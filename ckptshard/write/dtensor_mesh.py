@@ -61,6 +61,12 @@ def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any
     """FSDP1's SHARDED_STATE_DICT ShardedTensor of ``local``, this rank's dim-0 chunk of ``shape`` (as
     ``torch.chunk`` cuts it: a rank past the last chunk holds no shard), no communication. Placements are
     CPU ones, as FSDP1 with ``offload_to_cpu`` (verl's) saves them."""
+    with warnings.catch_warnings():  # torch deprecates ShardedTensor; FSDP1's files hold them all the same
+        warnings.simplefilter("ignore")
+        return _sharded_tensor(local, mesh, shape, placements)
+
+
+def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
     import torch
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
     from torch.distributed._shard.sharding_spec import ShardMetadata
@@ -84,6 +90,4 @@ def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any
         pin_memory=False,
     )
     meta = ShardedTensorMetadata(shards_metadata=metadata, size=torch.Size(shape), tensor_properties=properties)
-    with warnings.catch_warnings():  # torch deprecates ShardedTensor; FSDP1's files hold them all the same
-        warnings.simplefilter("ignore")
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, sharded_tensor_metadata=meta)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, sharded_tensor_metadata=meta)
