@@ -61,9 +61,10 @@ def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any
     """FSDP1's SHARDED_STATE_DICT ShardedTensor of ``local``, this rank's dim-0 chunk of ``shape`` (as
     ``torch.chunk`` cuts it: a rank past the last chunk holds no shard), no communication. Placements are
     CPU ones, as FSDP1 with ``offload_to_cpu`` (verl's) saves them."""
-    with warnings.catch_warnings():  # torch deprecates ShardedTensor; FSDP1's files hold them all the same
-        warnings.simplefilter("ignore")
-        return _sharded_tensor(local, mesh, shape, placements)
+    # torch deprecates ShardedTensor (warning on every operation, torch.save's included); FSDP1's files hold
+    # them all the same.
+    warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+    return _sharded_tensor(local, mesh, shape, placements)
 
 
 def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
