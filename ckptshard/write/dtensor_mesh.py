@@ -22,7 +22,7 @@ def fake_mesh(world: int, rank: int) -> Iterator[Any]:
 
     if dist.is_initialized():
         raise CheckpointError(
-            "writing torch FSDP2 files needs this process free of a process group: "
+            "writing torch FSDP files needs this process free of a process group: "
             "run the conversion as one process (not under torchrun, not inside training)"
         )
     try:
@@ -33,7 +33,7 @@ def fake_mesh(world: int, rank: int) -> Iterator[Any]:
         import torch
 
         raise CheckpointError(
-            f"writing torch FSDP2 files needs torch 2.5 or newer (DTensor, a fake process group); "
+            f"writing torch FSDP files needs torch 2.5 or newer (DTensor, a fake process group); "
             f"this is torch {torch.__version__} ({e})"
         ) from None
 
