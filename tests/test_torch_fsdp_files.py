@@ -342,6 +342,16 @@ def test_fsdp1_reshard_is_what_fsdp1_at_n_saves(cache_root, m, bf16, n, tmp_path
         _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
 
 
+def test_fsdp1_model_files_alone_reshard_without_telling_units(cache_root, tmp_path):
+    """No optimizer files: nothing to cut by units, the model files alone at N."""
+    src = tmp_path / "src"
+    shutil.copytree(_fsdp1_run(cache_root, 2, False), src, ignore=shutil.ignore_patterns("optim_*"))
+    ckptshard.reshard(str(src), str(tmp_path / "ours"), 3, progress=False)
+    assert not list((tmp_path / "ours").glob("optim_*"))
+    torch_fsdp_runs.fsdp1_torch_at(str(src / "ref"), str(tmp_path / "torch"), 3)
+    torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "ours"), str(tmp_path / "torch"), 3)
+
+
 def test_fsdp1_reshard_chain_equals_one_reshard(cache_root, tmp_path):
     src = _fsdp1_run(cache_root, 3, False)
     ckptshard.reshard(str(src), str(tmp_path / "two"), 2, progress=False)
