@@ -467,7 +467,8 @@ def shard(
     "--like",
     type=click.Path(exists=True),
     default=None,
-    help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow.",
+    help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow. "
+    "FSDP1 LOCAL_STATE_DICT files -> dcp: the model's full state dict (as consolidate --like).",
 )
 @click.option("--world-size", "-n", type=int, default=None, help="--to fairscale: number of ranks.")
 @click.option(

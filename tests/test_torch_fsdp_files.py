@@ -293,6 +293,20 @@ def test_fsdp1_local_state_dict_consolidates_with_like(cache_root, flat_params_r
     _assert_equal(_load(tmp_path / "full.pt"), want, "model")
 
 
+def test_fsdp1_local_state_dict_converts_with_like_to_a_dcp(flat_params_run, tmp_path):
+    like = flat_params_run / "ref" / "full_model.pt"
+    out = tmp_path / "dcp"
+    ckptshard.convert(str(flat_params_run / "local"), str(out), "dcp", like=str(like), progress=False)
+    import torch.distributed.checkpoint as dcp
+
+    want = _load(like)
+    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(out)))
+    _assert_equal(got["model"], want, "model")
+    with pytest.raises(CheckpointError, match="--like with --to dcp is for FSDP1 LOCAL_STATE_DICT files"):
+        ckptshard.convert(str(flat_params_run), str(tmp_path / "d2"), "dcp", like=str(like), progress=False)
+
+
 def test_fsdp1_local_state_dict_needs_the_same_model_as_like(flat_params_run, runs, tmp_path):
     local = str(flat_params_run / "local")
     with pytest.raises(CheckpointError, match="LOCAL_STATE_DICT .*_flat_param.*pass --like"):

@@ -31,6 +31,7 @@ from ..plan.dcp import (
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
 from ..read.dcp import is_dcp
+from ..read.full_state import full_state_refs, keeps_model_order
 from ..read.source import open_checkpoint
 from ..read.torch_ranks import TorchRanks, open_torch_ranks
 from ..tensors import Progress, is_tensor, tree_nbytes
@@ -104,6 +105,7 @@ def convert(
         to: ``"dcp"`` (torch FSDP2 loads it at any world size), ``"torch"``, ``"safetensors"`` or
             ``"fairscale"`` (from DCP, with ``like`` and ``world_size``).
         like: DCP -> fairscale: the fairscale checkpoint whose wrapping, container and names to follow.
+            FSDP1 LOCAL_STATE_DICT files -> DCP: the model's full state dict (see ``consolidate``).
         world_size: DCP -> fairscale: the number of ranks.
         optimizer: convert optimizer state too, where present.
         max_shard_size, select, strip_prefix, rename, dtype, jobs, overwrite, trust_pickles, progress:
@@ -140,7 +142,11 @@ def convert(
             dtype,
             jobs,
         )
-    ranks = open_torch_ranks(src)
+    local_like = like if to == "dcp" else None  # FSDP1 LOCAL_STATE_DICT files: the model's full state dict
+    like_refs = full_state_refs(local_like, trust_pickles, torch_free=True) if local_like else None
+    ranks = open_torch_ranks(src, like_refs, keeps_model_order(local_like) if local_like else True)
+    if local_like and (ranks is None or ranks.local is None):
+        raise CheckpointError(f"{src}: --like with --to dcp is for FSDP1 LOCAL_STATE_DICT files, not these")
     if ranks is not None and to == "dcp":
         return _ranks_to_dcp(ranks, out, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, jobs)
     if ranks is not None and to == "fairscale":
