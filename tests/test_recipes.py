@@ -108,21 +108,13 @@ def test_an_unsaved_scheduler_is_a_mismatch_naming_the_learning_rate(tmp_path):
         ("RANK_MODEL", "build_model() differs between ranks: blocks.0.0.weight on rank 1"),
     ],
 )
+def _verify_resume_cli(*args):
+    cmd = [sys.executable, "-m", "ckptshard.cli", "verify-resume", *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 def test_bad_recipes_get_one_line_and_exit_2(name, message, tmp_path):
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptshard.cli",
-            "verify-resume",
-            "--recipe",
-            f"{BROKEN}:{name}",
-            "--work",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    res = _verify_resume_cli("--recipe", f"{BROKEN}:{name}", "--work", str(tmp_path))
     assert res.returncode == 2, res.stderr
     errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], res.stderr
@@ -152,29 +144,10 @@ def test_a_recipe_object_travels_to_the_ranks_pickled(tmp_path):
 
 def test_cli_recipe_json_and_plot(tmp_path):
     png = tmp_path / "resume.png"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ckptshard.cli",
-            "verify-resume",
-            "--recipe",
-            TIED,
-            "--scenario",
-            "same world size",
-            "--reshard",
-            "2->4",
-            "--steps",
-            "3",
-            "--ckpt-step",
-            "1",
-            "--json",
-            "--plot",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    res = _verify_resume_cli(
+        "--recipe", TIED, "--scenario", "same world size", "--reshard", "2->4",
+        "--steps", "3", "--ckpt-step", "1", "--json", "--plot", str(png),
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)
     assert [r["scenario"] for r in rows] == ["same world size, local shards", "reshard 2->4"]
