@@ -100,6 +100,11 @@ def test_an_unsaved_scheduler_is_a_mismatch_naming_the_learning_rate(tmp_path):
     assert any("param_groups[0].lr" in p or "param_groups[1].lr" in p for p in r.problems), r.problems
 
 
+def _verify_resume_cli(*args):
+    cmd = [sys.executable, "-m", "ckptshard.cli", "verify-resume", *args]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize(
     "name, message",
     [
@@ -108,11 +113,6 @@ def test_an_unsaved_scheduler_is_a_mismatch_naming_the_learning_rate(tmp_path):
         ("RANK_MODEL", "build_model() differs between ranks: blocks.0.0.weight on rank 1"),
     ],
 )
-def _verify_resume_cli(*args):
-    cmd = [sys.executable, "-m", "ckptshard.cli", "verify-resume", *args]
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
 def test_bad_recipes_get_one_line_and_exit_2(name, message, tmp_path):
     res = _verify_resume_cli("--recipe", f"{BROKEN}:{name}", "--work", str(tmp_path))
     assert res.returncode == 2, res.stderr
