@@ -601,7 +601,7 @@ def verify(ctx: click.Context, path: str) -> None:
 )
 @click.option(
     "--container",
-    type=click.Choice(["fairseq", "metaseq"]),
+    type=click.Choice(["fairseq", "metaseq", "vissl"]),
     default=None,
     help="Files fairscale runs save and resume from (default: the recipe's, else fairseq).",
 )

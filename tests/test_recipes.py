@@ -179,3 +179,30 @@ def test_scenarios_without_heads_are_listed_not_applicable(tmp_path):
     )
     assert [r.verdict for r in results] == ["not applicable", "not applicable"]
     assert all(r.ok and r.problems == ["the recipe names no heads"] for r in results)
+
+
+def test_vissl_container_saves_vissls_files_and_resumes_resharded(tmp_path):
+    """container "vissl": the trunk and each head's local state in VISSL's sharded checkpoint and a shard_list,
+    resharded 2->3 by ckptshard and resumed."""
+    import torch
+
+    from ckptshard.recipes.vissl_like import RECIPE
+
+    work = tmp_path / "work"
+    scenarios = [reshard_scenario("2->3"), recipe_scenarios(2)[2]]  # + consolidated, loaded before wrapping
+    results = ckptshard.verify_resume(RECIPE, scenarios, steps=3, ckpt_step=1, container="vissl", work=str(work))
+    assert [r.ok for r in results] == [True, True], [r.problems for r in results]
+    sizes = []
+    for path in sorted(work.rglob("model_iteration.torch")):
+        listed = torch.load(path, weights_only=True)
+        assert listed["type"] == "shard_list"
+        sizes.append(len(listed["shards"]))
+        for name in listed["shards"]:
+            model = torch.load(path.parent / name, weights_only=False)["classy_state_dict"]["base_model"]["model"]
+            assert set(model) == {"trunk", "heads"} and len(model["heads"]) == 1
+    assert 2 in sizes, sizes  # the run at 2 ranks saved VISSL's files
+
+
+def test_vissl_container_needs_vissls_trunk_and_heads(tmp_path):
+    with pytest.raises(ckptshard.CheckpointError, match="container vissl: VISSL saves the model's `trunk`"):
+        ckptshard.verify_resume(GROUPS, [recipe_scenarios(2)[0]], steps=2, ckpt_step=1, container="vissl")

@@ -15,7 +15,7 @@ import json
 import os
 import random
 import re
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,7 @@ CONTAINER_FILES = {
     "fairseq": ("checkpoint_last-shard{}.pt", "fsdp_metadata"),
     "metaseq": ("checkpoint_last-model_part-0-shard{}.pt", "shard_metadata"),
 }
+VISSL_SHARD, VISSL_LIST = "model_iteration_shard{}.torch", "model_iteration.torch"
 VERL_FILES = ("model", "optim", "extra_state")
 _WRAPPER_PARTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_fpw_module|_checkpoint_wrapped_module)(?=\.|$)")
 
@@ -109,6 +110,9 @@ def save_rank(
 ) -> None:
     """This rank's files of a checkpoint after ``step`` optimizer steps."""
     os.makedirs(folder, exist_ok=True)
+    if framework == "fairscale" and container == "vissl":
+        _save_vissl(root, optim, sched, folder, rank, world, step)
+        return
     if framework == "fairscale":
         name, meta_key = CONTAINER_FILES[container]
         torch.save(
@@ -135,6 +139,47 @@ def save_rank(
     if rank == 0:
         with open(os.path.join(folder, "fsdp_config.json"), "w") as f:
             json.dump({"FSDP_version": 2, "world_size": world}, f)
+
+
+def _vissl_parts(root: Any) -> Tuple[Any, List[Any]]:
+    """The FSDP-wrapped ``trunk`` and ``heads`` of a VISSL model (BaseSSLMultiInputOutputModel) under the root."""
+    found: Dict[str, Any] = {}
+    for name, m in root.named_modules():  # the outermost module of a name: the FSDP wrapper, not what it wraps
+        found.setdefault(_WRAPPER_PARTS.sub("", name).strip("."), m)
+    trunk, heads = found.get("trunk"), found.get("heads")
+    fsdp = [m for m in [trunk, *(heads or [])] if m is not None]
+    if trunk is None or not heads or not all(hasattr(m, "local_state_dict") for m in fsdp):
+        raise RecipeError(
+            "container vissl: VISSL saves the model's `trunk` and each of its `heads` (a ModuleList), each "
+            "FSDP-wrapped on its own; this model has no such modules"
+        )
+    return trunk, list(heads)
+
+
+def _save_vissl(root: Any, optim: Any, sched: Any, folder: str, rank: int, world: int, step: int) -> None:
+    """As VISSL saves a sharded checkpoint: trunk and heads' local state, the optimizer, a shard_list."""
+    trunk, heads = _vissl_parts(root)
+    torch.save(
+        {
+            "type": "shard",
+            "phase_idx": 0,
+            "iteration": step,
+            "train_phase_idx": 0,
+            "classy_state_dict": {
+                "base_model": {
+                    "model": {"trunk": trunk.local_state_dict(), "heads": [h.local_state_dict() for h in heads]},
+                    "meta": {"trunk": trunk.local_metadata_dict(), "heads": [h.local_metadata_dict() for h in heads]},
+                },
+                "optimizer": {"optim": optim.state_dict(), "param_groups_override": {}},
+                "lr_scheduler": sched.state_dict() if sched is not None else None,
+                "train": True,
+            },
+        },
+        os.path.join(folder, VISSL_SHARD.format(rank)),
+    )
+    if rank == 0:
+        shards = [VISSL_SHARD.format(r) for r in range(world)]
+        torch.save({"type": "shard_list", "shards": shards}, os.path.join(folder, VISSL_LIST))
 
 
 def _verl(folder: str, kind: str, world: int, rank: int) -> str:
@@ -173,6 +218,9 @@ def load_full(
 
 def scheduler_state(framework: str, folder: str) -> Any:
     """The LR scheduler state a checkpoint folder holds (rank 0's), or None."""
+    if framework == "fairscale" and os.path.isfile(os.path.join(folder, VISSL_SHARD.format(0))):
+        state = torch.load(os.path.join(folder, VISSL_SHARD.format(0)), map_location="cpu", weights_only=False)
+        return state["classy_state_dict"].get("lr_scheduler")
     if framework == "fairscale":
         for pattern in ("*shard0.pt", "*.pt"):
             files = sorted(glob.glob(os.path.join(folder, pattern)))

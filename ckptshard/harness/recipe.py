@@ -22,7 +22,7 @@ import torch
 from ..errors import CheckpointError
 
 REQUIRED = ("build_model", "wrap", "make_optimizer", "batch", "loss")
-CONTAINERS = ("fairseq", "metaseq")
+CONTAINERS = ("fairseq", "metaseq", "vissl")
 
 
 class Recipe:
@@ -40,7 +40,8 @@ class Recipe:
     Optional:
         make_scheduler(optimizer): an LR scheduler, stepped after every optimizer step and saved.
         heads: names of head modules; enables the consolidated, loaded before/after wrapping scenarios.
-        container: ``"fairseq"`` (default) or ``"metaseq"``: the files fairscale runs save.
+        container: ``"fairseq"`` (default), ``"metaseq"`` or ``"vissl"`` (a model with VISSL's ``trunk`` and
+            ``heads``, each FSDP-wrapped): the files fairscale runs save.
         tolerance: relative tolerance across world sizes (default 1e-5).
     """
 

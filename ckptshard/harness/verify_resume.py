@@ -25,8 +25,8 @@ from ..execute.consolidate import consolidate
 from ..execute.reshard import reshard
 from ..fsdp.launch import run_world
 from .compare import Diff, compare_checkpoints, compare_local, compare_losses, compare_state
-from .frameworks import CONTAINER_FILES, local_files
-from .recipe import RecipeRef, check_global_batch, recipe_ref
+from .frameworks import local_files
+from .recipe import CONTAINERS, RecipeRef, check_global_batch, recipe_ref
 from .worker import recipe_worker
 
 TOLERANCE = 1e-5
@@ -178,8 +178,8 @@ def run_scenarios(
         raise CheckpointError(f"--ckpt-step must be between 1 and --steps - 1, got {ckpt_step} of {steps}")
     if from_checkpoint is not None and steps < 1:
         raise CheckpointError(f"--steps must be at least 1, got {steps}")
-    if container is not None and container not in CONTAINER_FILES:
-        raise CheckpointError(f"--container {container!r}: one of {', '.join(CONTAINER_FILES)}")
+    if container is not None and container not in CONTAINERS:
+        raise CheckpointError(f"--container {container!r}: one of {', '.join(CONTAINERS)}")
     recipes = _Recipes(recipe if recipe is not None else f"{BUILTIN}:RECIPE")
     source_ws = None
     if from_checkpoint is not None:
@@ -414,7 +414,8 @@ def verify_resume(
             :func:`recipe_scenarios` (add :func:`reshard_scenario` specs as needed).
         steps, ckpt_step: length of the run, and the step after which it is stopped.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, a GPU per rank).
-        container: ``"fairseq"`` or ``"metaseq"``, the files fairscale runs save (default: the recipe's).
+        container: ``"fairseq"``, ``"metaseq"`` or ``"vissl"``, the files fairscale runs save (default: the
+            recipe's).
         from_checkpoint: start from this sharded checkpoint instead of step 0: the reference resumes it at
             its own world size for ``steps`` steps, each scenario converts it and resumes at its target.
         work: folder for the runs' checkpoints; a temporary one, removed afterwards, if None.
