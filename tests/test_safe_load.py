@@ -140,3 +140,26 @@ def test_commands_on_torch_up_to_2_5(fixtures, tmp_path, old_torch, monkeypatch)
     consolidate(str(tmp_path / "r3"), str(tmp_path / "full.pt"), progress=False)
     got = torch.load(tmp_path / "full.pt", weights_only=True)
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_repeated_values_reads_only_what_could_repeat(tmp_path, monkeypatch):
+    """Ties found by value: same shape, dtype and bytes; a tensor whose shape nothing else has is not read,
+    and one whose first bytes differ from every other's is not read whole."""
+    from ckptshard.read import tensor_data
+    from ckptshard.read.full_state import full_state_refs
+    from ckptshard.tensors import whole
+
+    a = torch.arange(4096, dtype=torch.float32)
+    late = a.clone()
+    late[-1] = -1.0  # the same first bytes, another tensor
+    torch.save({"a": a, "b": torch.ones(3), "tied": a.clone(), "late": late, "other": a + 1}, tmp_path / "sd.pt")
+    refs = full_state_refs(str(tmp_path / "sd.pt"))
+    calls = []
+    real = tensor_data.fill_digest
+    monkeypatch.setattr(
+        tensor_data, "fill_digest", lambda f, limit=None: calls.append((f.shape, limit)) or real(f, limit)
+    )
+    found = tensor_data.repeated_values([(n, whole(r)) for n, r in refs.items()], probe=64)
+    assert found == {"tied": "a"}
+    assert ((3,), 64) not in calls and ((3,), None) not in calls  # "b": no other tensor of its shape
+    assert sum(1 for c in calls if c[1] is None) == 3  # whole: a, tied, late (other's first bytes differ)

@@ -141,7 +141,7 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
 def _fsdp1_units(ranks: TorchRanks) -> str:
     """The FSDP units the optimizer slices show (what reshard cuts by), in words."""
     try:
-        units = fsdp1_units(ranks, ranks.world_size)
+        units, _, _ = fsdp1_units(ranks, ranks.world_size)
     except CheckpointError as e:
         return f"not told ({str(e).split(': ', 1)[-1].split(':')[0]})"
     kinds = ", ".join(units.wrapped)

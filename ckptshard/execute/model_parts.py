@@ -13,7 +13,7 @@ from ..plan.model_parallel import MpRule, joined, rescaled_layout, rule_for, spl
 from ..plan.optimizer import consolidated_optimizer, optimizer_param_names
 from ..read.model_parts import PartFiles
 from ..read.source import ShardedCheckpoint
-from ..read.tensor_data import fill_bytes, read_fill
+from ..read.tensor_data import fill_digest, read_fill
 from ..tensors import Fill
 
 DEFAULT_TOLERANCE = 1e-5  # relative, as torch.allclose's rtol: real GPU runs drift a little between parts
@@ -37,9 +37,9 @@ def _replicated(name: str, fills: Sequence[Fill], tolerance: float, notes: List[
                 f"{name}: part {k} is {f.dtype}{list(f.shape)}, part 0 {first.dtype}{list(first.shape)}: split by "
                 "tensor parallelism, and no --mp-rule matches it; nothing written"
             )
-    stored = [fill_bytes(f) for f in fills]
-    if stored[0] is not None and all(b == stored[0] for b in stored[1:]):
-        return first  # bit-identical, seen without importing torch
+    stored = [fill_digest(f) for f in fills]
+    if stored[0] is not None and all(d == stored[0] for d in stored[1:]):
+        return first  # bit-identical (the same SHA-256), seen without importing torch
     values = [read_fill(f) for f in fills]
     worst, where = 0.0, 0
     for k, v in enumerate(values[1:], 1):

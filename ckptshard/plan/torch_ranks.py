@@ -11,7 +11,7 @@ parameters, ``step`` is a plain tensor.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
@@ -76,14 +76,19 @@ def resharded_optimizer(ranks: TorchRanks, world: int, rank: int, wholes: Option
     state: Dict[Any, Dict[str, Any]] = {}
     for pid, entry in first["state"].items():
         state[pid] = {k: plan.value([o["state"][pid][k] for o in ranks.optims]) for k in entry}
-    groups: List[Dict[str, Any]] = [dict(g) for g in first["param_groups"]]
+    return _optimizer_file(first, state)
+
+
+def _optimizer_file(first: Dict[str, Any], state: Dict[Any, Dict[str, Any]]) -> Dict[str, Any]:
+    """An ``optimizer.state_dict()`` of ``state``, its param groups and other keys rank 0's."""
     others = {k: v for k, v in first.items() if k not in ("state", "param_groups")}
-    return {**others, "state": state, "param_groups": groups}
+    return {**others, "state": state, "param_groups": [dict(g) for g in first["param_groups"]]}
 
 
-def fsdp1_units(ranks: TorchRanks, world: int) -> FlatUnits:
+def fsdp1_units(ranks: TorchRanks, world: int) -> Tuple[FlatUnits, List[Tuple[int, str]], List[int]]:
     """How the FSDP1 checkpoint's parameters were grouped into units (and aligned), as its optimizer slices
-    show; refused where no grouping or several that differ at ``world`` ranks fit them."""
+    show, with the (id, name) pairs and element counts they were told from; refused where no grouping or
+    several that differ at ``world`` ranks fit them."""
     pairs, numels, seen = ranks.fsdp1_slices()
     names = [name for _, name in pairs]
     found = find_units(names, numels, seen, ranks.world_size)
@@ -102,7 +107,7 @@ def fsdp1_units(ranks: TorchRanks, world: int) -> FlatUnits:
             f"{where}: {len(found)} FSDP unit groupings fit the optimizer slices{why} and they cut the "
             f"parameters differently at {world} ranks ({shown}): convert --to dcp and load that instead"
         )
-    return chosen
+    return chosen, pairs, numels
 
 
 class Fsdp1Optimizer:
@@ -111,12 +116,10 @@ class Fsdp1Optimizer:
 
     def __init__(self, ranks: TorchRanks, world: int) -> None:
         assert ranks.optims is not None
-        self.ranks, self.world = ranks, world
-        self.units = fsdp1_units(ranks, world)
-        pairs, numels, _ = ranks.fsdp1_slices()
-        self.pairs = pairs
-        self.at_n = self.units.slices(numels, world)
-        self.full = {pid: ranks.fsdp1_entry(pid, name) for pid, name in pairs}
+        self.ranks = ranks
+        units, self.pairs, numels = fsdp1_units(ranks, world)
+        self.at_n = units.slices(numels, world)
+        self.full = {pid: ranks.fsdp1_entry(pid, name) for pid, name in self.pairs}
 
     def rank(self, rank: int) -> Dict[str, Any]:
         assert self.ranks.optims is not None
@@ -127,9 +130,7 @@ class Fsdp1Optimizer:
                 continue  # FSDP1 keeps no state where a rank holds none of the parameter
             start, count = slices[rank]
             state[pid] = {k: self._slice(v, start, count) for k, v in entry.items()}
-        first = self.ranks.optims[0]
-        others = {k: v for k, v in first.items() if k not in ("state", "param_groups")}
-        return {**others, "state": state, "param_groups": [dict(g) for g in first["param_groups"]]}
+        return _optimizer_file(self.ranks.optims[0], state)
 
     @staticmethod
     def _slice(v: Any, start: int, count: int) -> Any:

@@ -7,8 +7,9 @@ loading a checkpoint into a live model.
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from ..dtypes import itemsize_of, to_torch, unpack_scalar
 from ..errors import CheckpointError
@@ -17,6 +18,8 @@ from ..tree import map_leaves
 
 if TYPE_CHECKING:
     import torch
+
+DIGEST_CHUNK = 8 << 20  # bytes read at a time when a tensor is only hashed
 
 
 def read_elements(path: str, offset: int, dtype: Any, count: int) -> torch.Tensor:
@@ -81,26 +84,61 @@ def read_scalar(ref: TensorRef) -> Any:
     return read_scalars([ref])[0]
 
 
-def fill_bytes(fill: Fill) -> Optional[bytes]:
-    """The Fill's bytes as stored, read without torch; None where that needs torch (a cast, a strided source,
-    a gap)."""
+def fill_digest(fill: Fill, limit: Optional[int] = None) -> Optional[str]:
+    """A SHA-256 of the Fill's bytes as stored (of its first ``limit`` bytes), read in chunks without torch;
+    None where that needs torch (a cast, a strided source, a gap)."""
     size = itemsize_of(fill.dtype)
-    out = bytearray(fill.nbytes)
-    covered = 0
-    for s in fill.sources:
-        if not s.length:
-            continue
-        if not s.ref.contiguous or str(s.ref.dtype) != str(fill.dtype):
+    want = fill.nbytes if limit is None else min(limit, fill.nbytes)
+    digest, at = hashlib.sha256(), 0
+    for s in sorted((s for s in fill.sources if s.length), key=lambda s: s.dst_start):
+        if at >= want:
+            break
+        if s.dst_start * size != at or not s.ref.contiguous or str(s.ref.dtype) != str(fill.dtype):
             return None
-        start = s.ref.offset + s.src_start * size
+        start, end = s.ref.offset + s.src_start * size, s.ref.offset + (s.src_start + s.length) * size
+        end = min(end, start + want - at)
         with open(s.ref.path, "rb") as f:
             f.seek(start)
-            got = f.read(s.length * size)
-        if len(got) != s.length * size:
-            raise CheckpointError(f"{s.ref.path}: truncated: tensor data ends early at byte {start + len(got)}")
-        out[s.dst_start * size : (s.dst_start + s.length) * size] = got
-        covered += s.length
-    return bytes(out) if covered == fill.numel else None
+            while start < end:
+                got = f.read(min(DIGEST_CHUNK, end - start))
+                if not got:
+                    raise CheckpointError(f"{s.ref.path}: truncated: tensor data ends early at byte {start}")
+                digest.update(got)
+                start += len(got)
+                at += len(got)
+    return digest.hexdigest() if at == want else None
+
+
+def repeated_values(fills: Sequence[Tuple[str, Fill]], probe: int = 4096) -> Dict[str, str]:
+    """Each name whose tensor repeats an earlier one's (same shape, dtype and bytes), mapped to the first
+    name holding those values. Only tensors whose shape and dtype another shares are read, and of those
+    whole only where their first ``probe`` bytes agree: one digest in memory per tensor, not its bytes."""
+    shapes: Dict[Tuple[Any, ...], int] = {}
+    for _, f in fills:
+        key = (tuple(f.shape), str(f.dtype))
+        shapes[key] = shapes.get(key, 0) + 1
+    heads: Dict[Tuple[Any, ...], int] = {}
+    keyed: List[Tuple[str, Fill, Tuple[Any, ...]]] = []
+    for name, f in fills:
+        key = (tuple(f.shape), str(f.dtype))
+        if shapes[key] > 1:
+            head = (*key, fill_digest(f, probe))
+            if head[2] is not None:
+                heads[head] = heads.get(head, 0) + 1
+                keyed.append((name, f, head))
+    first: Dict[Tuple[Any, ...], str] = {}
+    out: Dict[str, str] = {}
+    for name, f, head in keyed:
+        if heads[head] < 2:
+            continue
+        full = (*head, fill_digest(f))
+        if full[3] is None:
+            continue
+        if full in first:
+            out[name] = first[full]
+        else:
+            first[full] = name
+    return out
 
 
 def read_fill(fill: Fill) -> torch.Tensor:

@@ -29,7 +29,7 @@ from ..osio.inputs import input_file
 from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
 from ..tree import leaves
 from .discover import find_shards
-from .tensor_data import fill_bytes
+from .tensor_data import repeated_values
 from .torch_file import read_torch_file
 
 VERL_NAME = re.compile(r"^(?P<kind>model|optim|extra_state)_world_size_(?P<ws>\d+)_rank_(?P<rank>\d+)\.pt$")
@@ -366,16 +366,7 @@ class TorchRanks:
         """The names whose values on every rank are an earlier name's, byte for byte: FSDP1's files store a
         tied parameter once per name, as separate tensors, and record no tie. Taken as ties only when they
         are exactly the names the optimizer lacks."""
-        seen = set()
-        twins: List[str] = []
-        for name in names:
-            v = self.models[0][name]
-            stored = fill_bytes(assemble([sd[name] for sd in self.models]))
-            key = (tuple(v.shape), str(v.dtype), stored)
-            if stored is not None and key in seen:
-                twins.append(name)
-            seen.add(key)
-        return twins
+        return list(repeated_values([(n, assemble([sd[n] for sd in self.models])) for n in names]))
 
     def fsdp1_slices(self) -> Tuple[List[Tuple[int, str]], List[int], List[Optional[Dict[int, Tuple[int, int]]]]]:
         """FSDP1's optimizer files as the layout they show: (id, name) pairs in optimizer order, each
@@ -386,13 +377,9 @@ class TorchRanks:
         numels = [numel(self.models[0][name].shape) for _, name in pairs]
         seen: List[Optional[Dict[int, Tuple[int, int]]]] = []
         for pid, _ in pairs:
-            slices, start = {}, 0
-            for r, o in enumerate(self.optims):
-                moment = next((v for v in o["state"].get(pid, {}).values() if _is_slice(v)), None)
-                if moment is not None and moment.numel:
-                    slices[r] = (start, moment.numel)
-                    start += moment.numel
-            seen.append(slices or None)
+            moments = [next((v for v in o["state"].get(pid, {}).values() if _is_slice(v)), None) for o in self.optims]
+            sources, _ = rank_slices(moments)
+            seen.append({r: (s.dst_start, s.length) for r, s in sources.items()} or None)
         return pairs, numels, seen
 
     def fsdp1_entry(self, pid: int, name: str) -> Optional[Dict[str, Any]]:
@@ -411,24 +398,21 @@ class TorchRanks:
             if not isinstance(v0, TensorRef) or len(v0.shape) == 0:
                 out[key] = whole(v0) if isinstance(v0, TensorRef) else v0  # step: the same on every rank
                 continue
-            sources, start = [], 0
             for r, entry in held:
                 piece = entry.get(key)
-                if not isinstance(piece, TensorRef) or len(piece.shape) != 1 or str(piece.dtype) != str(v0.dtype):
+                if not _is_slice(piece) or str(piece.dtype) != str(v0.dtype):
                     raise CheckpointError(
                         f"{self.files.optim[r]}: optimizer entry {pid} ({name})'s {key} is not a 1-D "  # type: ignore[index]
                         f"{v0.dtype} slice like rank {held[0][0]}'s: not FSDP1 use_orig_params state"
                     )
-                if piece.numel:
-                    sources.append(Source(piece, 0, start, piece.numel))
-                start += piece.numel
+            sources, start = rank_slices([entry[key] for _, entry in held])
             if start != numel(shape):
                 raise CheckpointError(
                     f"{where}: optimizer entry {pid}'s {key} slices hold {start} elements over the ranks, "
                     f"parameter {name} {list(shape)} has {numel(shape)}: the optimizer's parameters are not the "
                     "model's in order"
                 )
-            out[key] = Fill(shape, v0.dtype, tuple(sources))
+            out[key] = Fill(shape, v0.dtype, tuple(sources.values()))
         return out
 
 
@@ -459,16 +443,12 @@ class LocalStateDict:
     def _slices(self, name: str, ref: TensorRef) -> Optional[Fill]:
         """The parameter joined from each rank's 1-D slice (``use_orig_params``), or None if not stored so."""
         pieces = [sd.get(name) for sd in self.models]
-        if not all(isinstance(p, TensorRef) and len(p.shape) == 1 for p in pieces):
+        if not all(_is_slice(p) for p in pieces):
             return None
-        if sum(p.numel for p in pieces) != ref.numel:
+        sources, count = rank_slices(pieces)
+        if count != ref.numel:
             return None
-        sources, start = [], 0
-        for p in pieces:
-            if p.numel:
-                sources.append(Source(p, 0, start, p.numel))
-            start += p.numel
-        return Fill(tuple(ref.shape), pieces[0].dtype, tuple(sources))
+        return Fill(tuple(ref.shape), pieces[0].dtype, tuple(sources.values()))
 
     def full_model(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
@@ -526,15 +506,7 @@ class LocalStateDict:
         total = sum(self.like[n].numel for n in members)
         if total == size:
             return members, {}
-        seen: Dict[Tuple[Any, ...], str] = {}
-        twins: Dict[str, str] = {}
-        for name in members:
-            ref = self.like[name]
-            key = (tuple(ref.shape), str(ref.dtype), fill_bytes(whole(ref)))
-            if key[2] is not None and key in seen:
-                twins[name] = seen[key]
-            else:
-                seen.setdefault(key, name)
+        twins = repeated_values([(n, whole(self.like[n])) for n in members])
         if total - sum(self.like[n].numel for n in twins) != size:
             unit = next(iter(members))
             raise CheckpointError(
@@ -546,6 +518,18 @@ class LocalStateDict:
 
 def _is_slice(v: Any) -> bool:
     return isinstance(v, TensorRef) and len(v.shape) == 1
+
+
+def rank_slices(pieces: Sequence[Optional[TensorRef]]) -> Tuple[Dict[int, Source], int]:
+    """1-D slices of one tensor's flattened elements, one per rank (None or empty: the rank holds none), laid
+    end to end in rank order: each holding rank's Source, and the elements they cover."""
+    sources: Dict[int, Source] = {}
+    start = 0
+    for r, piece in enumerate(pieces):
+        if piece is not None and piece.numel:
+            sources[r] = Source(piece, 0, start, piece.numel)
+            start += piece.numel
+    return sources, start
 
 
 def open_torch_ranks(

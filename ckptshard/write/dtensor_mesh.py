@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Iterator
 
 from ..errors import CheckpointError
+from ..layout.dim_shards import chunk_sizes
 
 
 @contextlib.contextmanager
@@ -75,14 +76,13 @@ def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
     if placements != (("shard", 0),):
         raise AssertionError(f"FSDP1 shards dim 0, not {placements}")
     rank, world = mesh.get_local_rank(), mesh.size()
-    step = -(-shape[0] // world) if shape[0] else 0
-    chunks = -(-shape[0] // step) if step else 0
+    rows = [n for n in chunk_sizes(shape[0], world) if n]  # torch.chunk's chunks: ranks past them hold none
+    starts = [sum(rows[:r]) for r in range(len(rows))]
     rest = [0] * (len(shape) - 1)
     metadata = [
-        ShardMetadata([r * step, *rest], [min(step, shape[0] - r * step), *shape[1:]], f"rank:{r}/cpu")
-        for r in range(chunks)
+        ShardMetadata([at, *rest], [n, *shape[1:]], f"rank:{r}/cpu") for r, (at, n) in enumerate(zip(starts, rows))
     ]
-    local_shards = [Shard.from_tensor_and_offsets(local, [rank * step, *rest], rank)] if rank < chunks else []
+    local_shards = [Shard.from_tensor_and_offsets(local, [starts[rank], *rest], rank)] if rank < len(rows) else []
     properties = TensorProperties(
         dtype=local.dtype,
         layout=torch.strided,
