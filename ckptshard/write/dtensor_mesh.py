@@ -9,6 +9,7 @@ do nothing) gives a mesh of any size and rank without other processes.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Any, Iterator
 
@@ -17,8 +18,11 @@ from ..layout.dim_shards import chunk_sizes
 
 
 @contextlib.contextmanager
-def fake_mesh(world: int, rank: int) -> Iterator[Any]:
-    """The 1-D CPU DeviceMesh of ``rank`` among ``world``, under a fake process group torn down on exit."""
+def fake_mesh(world: int, rank: int, dtensors: bool = True) -> Iterator[Any]:
+    """The 1-D CPU DeviceMesh of ``rank`` among ``world``, under a fake process group torn down on exit.
+
+    ``dtensors=False`` (FSDP1's ShardedTensors only) leaves ``torch.distributed.tensor`` unimported.
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -27,9 +31,14 @@ def fake_mesh(world: int, rank: int) -> Iterator[Any]:
             "run the conversion as one process (not under torchrun, not inside training)"
         )
     try:
-        import torch.distributed.tensor
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        constructors = []
+        if dtensors:
+            from torch.distributed.tensor import DTensor
+
+            constructors.append(DTensor.__init__)
     except ImportError as e:
         import torch
 
@@ -40,9 +49,38 @@ def fake_mesh(world: int, rank: int) -> Iterator[Any]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,))
+        with _dynamo_left_unimported(*constructors):
+            yield init_device_mesh("cpu", (world,))
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _dynamo_left_unimported(*constructors: Any) -> Iterator[None]:
+    """Let ``constructors`` (wrapped in ``torch._disable_dynamo``) run without importing ``torch._dynamo``.
+
+    That wrapper imports dynamo on first call, only to exempt the function
+    from tracing: in a process that has never imported dynamo nothing
+    traces, and the import outweighs the rest of a reshard's torch work
+    (docs/performance.md). The wrapper looks for the exempted function
+    cached on the wrapped one; this caches the function itself there, and
+    takes it away on exit, so later calls take torch's own path.
+    """
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    cached = []
+    for c in constructors:
+        fn = getattr(c, "__wrapped__", None)
+        if fn is not None and getattr(fn, "__dynamo_disable", None) is None:
+            fn.__dynamo_disable = fn
+            cached.append(fn)
+    try:
+        yield
+    finally:
+        for fn in cached:
+            if fn.__dict__.get("__dynamo_disable") is fn:
+                del fn.__dynamo_disable
 
 
 def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
