@@ -377,8 +377,6 @@ def test_fsdp1_reshard_chain_equals_one_reshard(cache_root, tmp_path):
 def test_fsdp1_reshard_refuses_what_it_would_guess(cache_root, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(_fsdp1_run(cache_root, 3, False), src)
-    with pytest.raises(CheckpointError, match="FSDP1 at world size 1 runs NO_SHARD"):
-        ckptshard.reshard(str(src), str(tmp_path / "one"), 1, progress=False)
     a, b = src / "optim_world_size_3_rank_0.pt", src / "optim_world_size_3_rank_1.pt"
     a.rename(tmp_path / "tmp.pt")
     b.rename(a)
@@ -386,6 +384,74 @@ def test_fsdp1_reshard_refuses_what_it_would_guess(cache_root, tmp_path):
     with pytest.raises(CheckpointError, match="fit no grouping of the parameters into FSDP units"):
         ckptshard.reshard(str(src), str(tmp_path / "r"), 2, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.fixture(scope="module")
+def no_shard_run(cache_root):
+    """FSDP1 at world size 1: it runs NO_SHARD and saves plain tensors, each moment in its parameter's shape."""
+    return _fsdp1_run(cache_root, 1, False)
+
+
+def test_fsdp1_at_world_size_1_consolidates_to_its_full_state(no_shard_run, tmp_path):
+    ckptshard.consolidate(str(no_shard_run), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(no_shard_run / "ref" / "full_model.pt"), "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), _load(no_shard_run / "ref" / "full_optim.pt"), "optim")
+    s = ckptshard.inspect_checkpoint(str(no_shard_run))
+    assert s["kind"] == "fsdp1" and s["world_size"] == 1
+    placed = {t["name"]: t["placement"] for t in s["tensors"]}
+    # Which plain tensors are parameters, the optimizer's moments tell: the buffer and the tie's second name are
+    # not among its 15; the tie's second name is a parameter all the same.
+    assert placed["position_scale"].startswith("plain") and placed["head.weight"].startswith("whole")
+    ckptshard.convert(str(no_shard_run), str(tmp_path / "dcp"), "dcp", progress=False)
+    torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "at2.pt"), 2)
+    at2 = _load(tmp_path / "at2.pt")
+    _assert_equal(at2["model"], _load(no_shard_run / "ref" / "full_model.pt"), "model")
+    at2["optim"]["state"] = dict(sorted(at2["optim"]["state"].items()))  # FSDP2 orders by parameter, FSDP1 by name
+    _assert_equal(at2["optim"], _load(no_shard_run / "ref" / "full_optim.pt"), "optim")
+
+
+def test_fsdp1_at_world_size_1_with_a_buffer_shaped_like_a_parameter(no_shard_run, tmp_path):
+    """A buffer beside parameters of its shape: which entries the moments are is not told. The weights still
+    consolidate; the optimizer and reshard are refused, and nothing is written."""
+    src = tmp_path / "src"
+    shutil.copytree(no_shard_run, src)
+    path = src / "model_world_size_1_rank_0.pt"
+    sd = _load(path)
+    items = list(sd.items())
+    at = [k for k, _ in items].index("blocks.0.down.bias") + 1
+    torch.save(dict(items[:at] + [("blocks.0.running", torch.ones(6))] + items[at:]), path)
+    ckptshard.consolidate(str(src), str(tmp_path / "w.pt"), progress=False)
+    assert list(_load(tmp_path / "w.pt")) == list(sd)[:at] + ["blocks.0.running"] + list(sd)[at:]
+    with pytest.raises(CheckpointError, match="by order and shape in more than one way"):
+        ckptshard.consolidate(str(src), str(tmp_path / "o.pt"), optimizer=True, progress=False)
+    with pytest.raises(CheckpointError, match="by order and shape in more than one way"):
+        ckptshard.reshard(str(src), str(tmp_path / "r"), 2, optimizer=False, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "w.pt", "w.pt.manifest.json"]
+
+
+def test_reshard_to_world_size_1_is_what_fsdp1_at_1_saves(cache_root, tmp_path):
+    src = _fsdp1_run(cache_root, 3, False)
+    ckptshard.reshard(str(src), str(tmp_path / "ours"), 1, progress=False)
+    torch_fsdp_runs.fsdp1_torch_at(str(src / "ref"), str(tmp_path / "torch"), 1)
+    _same_fsdp1_files(tmp_path / "ours", tmp_path / "torch", 1)
+    torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "ours"), str(tmp_path / "ours.pt"), 1)
+    torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "torch"), str(tmp_path / "theirs.pt"), 1)
+    _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
+
+
+def test_reshard_from_world_size_1(no_shard_run, tmp_path):
+    """The model files at 3 are FSDP1 at 3's; the optimizer's units cannot be told from one rank (refused), nor
+    the parameters from the model files alone (refused)."""
+    with pytest.raises(CheckpointError, match="at world size 1 the slices show no grouping"):
+        ckptshard.reshard(str(no_shard_run), str(tmp_path / "refused"), 3, progress=False)
+    ckptshard.reshard(str(no_shard_run), str(tmp_path / "ours"), 3, optimizer=False, progress=False)
+    torch_fsdp_runs.fsdp1_torch_at(str(no_shard_run / "ref"), str(tmp_path / "torch"), 3)
+    torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "ours"), str(tmp_path / "torch"), 3)
+    alone = tmp_path / "alone"
+    shutil.copytree(no_shard_run, alone, ignore=shutil.ignore_patterns("optim_*"))
+    with pytest.raises(CheckpointError, match="saves parameters and buffers alike as plain tensors"):
+        ckptshard.reshard(str(alone), str(tmp_path / "refused"), 3, optimizer=False, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "ours", "torch"]
 
 
 def test_fsdp1_and_fsdp2_files_mixed_are_refused(fsdp1_runs, runs, tmp_path):

@@ -140,6 +140,8 @@ def summarize_dcp(folder: str, trust_pickles: bool = False) -> Dict[str, Any]:
 
 def _fsdp1_units(ranks: TorchRanks) -> str:
     """The FSDP units the optimizer slices show (what reshard cuts by), in words."""
+    if ranks.no_shard:
+        return "not told (world size 1 runs NO_SHARD: no slices)"
     try:
         units, _, _ = fsdp1_units(ranks, ranks.world_size)
     except CheckpointError as e:
@@ -157,6 +159,8 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
             nbytes = math.prod(v.shape) * itemsize_of(v.dtype)
             kind, dim = v.placements[0]
             placed = f"Shard({dim})" if kind == "shard" else "Replicate()"
+            if ranks.no_shard:
+                placed = "whole (a NO_SHARD parameter)"
             key = v.tie_key or name
             if first_name.setdefault(key, name) != name:
                 placed, nbytes = f"{placed}, tied to {first_name[key]}", 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -383,16 +384,15 @@ def reshard_ranks(
     ShardedTensors, over a fake process group; FSDP1's optimizer slices
     are cut as the units' flat parameters at ``world`` cut them, the units
     told from the source's slices: ``plan.torch_ranks.fsdp1_units``).
+    FSDP1 at world size 1 runs NO_SHARD: plain tensors, each moment in its
+    parameter's shape, both ways (which of its plain tensors are parameters,
+    the optimizer's moments tell: ``TorchRanks``).
     verl's ``extra_state`` files (LR scheduler, RNG states) are copied byte
     for byte, never unpickled: new rank r gets old rank ``r % M``'s.
     ``fsdp_config.json`` gets the new world size; the folder's other
     entries (``huggingface/``) are copied.
     """
-    if ranks.kind == "fsdp1" and world == 1:
-        raise CheckpointError(
-            "FSDP1 at world size 1 runs NO_SHARD and saves plain tensors, not ShardedTensors: consolidate "
-            "(--optimizer) writes that full state"
-        )
+    ranks.require_params()
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
     files = ranks.files
@@ -403,7 +403,10 @@ def reshard_ranks(
     fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" else None
 
     def rank_trees(r: int) -> Dict[str, Any]:
-        trees = {"model": resharded_model(ranks, world, r, wholes)}
+        if ranks.kind == "fsdp1" and world == 1:  # NO_SHARD: every tensor whole
+            trees = {"model": ranks.full_model()}
+        else:
+            trees = {"model": resharded_model(ranks, world, r, wholes)}
         if fsdp1 is not None:
             trees["optim"] = fsdp1.rank(r)
         elif with_optim:
@@ -426,7 +429,8 @@ def reshard_ranks(
         Hashes() as hashes,
     ):
         for r in range(world):
-            with fake_mesh(world, r) as mesh:
+            no_shard = ranks.kind == "fsdp1" and world == 1  # plain tensors: no mesh, no torch
+            with contextlib.nullcontext() if no_shard else fake_mesh(world, r, dtensors=ranks.kind != "fsdp1") as mesh:
                 for kind, tree in planned.tree(r).items():
                     name = files.name_of(kind, r, world)
                     write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, mesh)

@@ -116,14 +116,20 @@ class Fsdp1Optimizer:
 
     def __init__(self, ranks: TorchRanks, world: int) -> None:
         assert ranks.optims is not None
-        self.ranks = ranks
-        units, self.pairs, numels = fsdp1_units(ranks, world)
-        self.at_n = units.slices(numels, world)
+        self.ranks, self.world = ranks, world
+        if world == 1:  # NO_SHARD: each moment whole, in its parameter's shape
+            self.pairs = ranks.optimizer_ids()
+        else:
+            units, self.pairs, numels = fsdp1_units(ranks, world)
+            self.at_n = units.slices(numels, world)
         self.full = {pid: ranks.fsdp1_entry(pid, name) for pid, name in self.pairs}
 
     def rank(self, rank: int) -> Dict[str, Any]:
         assert self.ranks.optims is not None
         state: Dict[Any, Dict[str, Any]] = {}
+        if self.world == 1:
+            state = {pid: entry for pid, _ in self.pairs if (entry := self.full[pid]) is not None}
+            return _optimizer_file(self.ranks.optims[0], state)
         for (pid, _), slices in zip(self.pairs, self.at_n):
             entry = self.full[pid]
             if entry is None or rank not in slices:

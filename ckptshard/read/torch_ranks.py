@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import CheckpointError
 from ..formats.torch_pickle import Unsupported
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
+from ..layout.param_order import match_in_order
 from ..osio.inputs import input_file
 from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
 from ..tree import leaves
@@ -191,9 +192,11 @@ class TorchRanks:
         if any(len(k) > 1 for k in kinds) or len(set().union(*kinds)) > 1:
             bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
             raise CheckpointError(f"{bad}: FSDP1 (ShardedTensor) and FSDP2 (DTensor) files mixed in one checkpoint")
-        self.kind = "fsdp1" if True in kinds[0] else "fsdp2"
-        self.local: Optional[LocalStateDict] = None
         flat = next((k for k in self.models[0] if _flat_prefix(k) is not None), None)
+        # FSDP1 at world size 1 runs NO_SHARD: every entry a plain tensor, parameters and buffers alike.
+        self.no_shard = files.verl and self.world_size == 1 and flat is None and not has_dtensors(self.models[0])
+        self.kind = "fsdp1" if True in kinds[0] or self.no_shard else "fsdp2"
+        self.local: Optional[LocalStateDict] = None
         if flat is not None:
             if like is None:
                 raise CheckpointError(
@@ -207,10 +210,19 @@ class TorchRanks:
         if files.optim:
             self.optims = [self._optim(p) for p in files.optim]
             self._check_optims()
+        self.params_known = not self.no_shard
+        self._no_shard_error: Optional[CheckpointError] = None  # kept for what needs the parameters told
+        if self.no_shard and self.optims is not None:
+            try:
+                self._mark_no_shard_params()
+            except CheckpointError as e:
+                self._no_shard_error = e
 
     def _check_models(self) -> None:
         first, W = self.models[0], self.world_size
-        if not has_dtensors(first):
+        if self.no_shard and not any(isinstance(v, TensorRef) for v in first.values()):
+            raise CheckpointError(f"{self.files.model[0]}: holds no tensor: not a model's state dict")
+        if not has_dtensors(first) and not self.no_shard:
             raise CheckpointError(f"{self.files.model[0]}: holds no DTensor: not a torch FSDP2 per-rank state dict")
         for r, (sd, path) in enumerate(zip(self.models, self.files.model)):
             if list(sd) != list(first):
@@ -298,6 +310,9 @@ class TorchRanks:
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
         ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
+        if self.no_shard:
+            self.require_params()
+            return self._no_shard_ids
         names = self.param_names()
         where = (self.files.optim or ("",))[0]
         hint = ""
@@ -362,6 +377,60 @@ class TorchRanks:
             state = dict(sorted(state.items()))
         return {"state": state, "param_groups": groups}
 
+    def _no_shard_pairs(self, ids: List[int]) -> List[Tuple[int, str]]:
+        """NO_SHARD's files mark no entry a parameter: the optimizer's parameters are the model entries its
+        moments' shapes pick out in order (:func:`~ckptshard.layout.param_order.match_in_order`), if only one
+        choice fits."""
+        assert self.optims is not None
+        state = self.optims[0]["state"]
+        wanted = [
+            next((tuple(v.shape) for v in state.get(pid, {}).values() if isinstance(v, TensorRef) and v.shape), None)
+            for pid in ids
+        ]
+        names = [n for n, v in self.models[0].items() if isinstance(v, TensorRef)]
+        found = match_in_order(wanted, [tuple(self.models[0][n].shape) for n in names])
+        where = (self.files.optim or ("",))[0]
+        if found.ways == 0:
+            raise CheckpointError(
+                f"{where}: the moments of the optimizer's {len(ids)} parameters match no in-order choice among "
+                f"the model's {len(names)} tensors by shape: not this model's optimizer"
+            )
+        if found.picked is None:
+            at = names[found.fork] if found.fork is not None else "?"
+            raise CheckpointError(
+                f"{where}: the optimizer's {len(ids)} parameters match the model's tensors by order and shape in "
+                f"more than one way ({at} may be a parameter or a buffer; FSDP1 at world size 1 saves both as "
+                "plain tensors): its state cannot be named"
+            )
+        return [(pid, names[j]) for pid, j in zip(ids, found.picked)]
+
+    def require_params(self) -> None:
+        """Refuse where the parameters are not told from the buffers (FSDP1 at world size 1)."""
+        if self.params_known:
+            return
+        if self._no_shard_error is not None:
+            raise self._no_shard_error
+        raise CheckpointError(
+            f"{self.files.model[0]}: FSDP1 at world size 1 (NO_SHARD) saves parameters and buffers alike as "
+            "plain tensors; its optimizer files tell which are parameters, and there are none beside it: "
+            "consolidate it, or convert --to dcp and load that at the new world size"
+        )
+
+    def _mark_no_shard_params(self) -> None:
+        """Show NO_SHARD's parameters as the one-rank ShardedTensors they amount to (so they reshard as FSDP1's
+        do): those the optimizer's moments pick out, and a tied parameter's other names (equal values)."""
+        assert self.optims is not None
+        ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
+        self._no_shard_ids = self._no_shard_pairs(ids)
+        picked = [name for _, name in self._no_shard_ids]
+        model = self.models[0]
+        rest = [n for n, v in model.items() if isinstance(v, TensorRef) and n not in set(picked)]
+        twins = repeated_values([(n, whole(model[n])) for n in picked + rest])
+        for name in picked + [n for n in rest if twins.get(n) in picked]:
+            v = model[name]
+            model[name] = DTensorRef(v, tuple(v.shape), v.dtype, (("shard", 0),), (0,), sharded_tensor=True)
+        self.params_known = True
+
     def _fsdp1_twins(self, names: List[str]) -> List[str]:
         """The names whose values on every rank are an earlier name's, byte for byte: FSDP1's files store a
         tied parameter once per name, as separate tensors, and record no tie. Taken as ties only when they
@@ -376,7 +445,10 @@ class TorchRanks:
         pairs = self.optimizer_ids()
         numels = [numel(self.models[0][name].shape) for _, name in pairs]
         seen: List[Optional[Dict[int, Tuple[int, int]]]] = []
-        for pid, _ in pairs:
+        for (pid, _), count in zip(pairs, numels):
+            if self.no_shard:  # one rank holds every parameter whole
+                seen.append({0: (0, count)} if self.optims[0]["state"].get(pid) else None)
+                continue
             moments = [next((v for v in o["state"].get(pid, {}).values() if _is_slice(v)), None) for o in self.optims]
             sources, _ = rank_slices(moments)
             seen.append({r: (s.dst_start, s.length) for r, s in sources.items()} or None)
@@ -393,6 +465,8 @@ class TorchRanks:
             return None
         shape = tuple(self.models[0][name].shape)
         where = (self.files.optim or ("",))[held[0][0]]
+        if self.no_shard:
+            return self._no_shard_entry(held[0][1], shape, name, where)
         out: Dict[str, Any] = {}
         for key, v0 in held[0][1].items():
             if not isinstance(v0, TensorRef) or len(v0.shape) == 0:
@@ -414,6 +488,14 @@ class TorchRanks:
                 )
             out[key] = Fill(shape, v0.dtype, tuple(sources.values()))
         return out
+
+    @staticmethod
+    def _no_shard_entry(entry: Dict[str, Any], shape: Tuple[int, ...], name: str, where: str) -> Dict[str, Any]:
+        """NO_SHARD keeps each moment whole, in its parameter's shape."""
+        for key, v in entry.items():
+            if isinstance(v, TensorRef) and v.shape and tuple(v.shape) != shape:
+                raise CheckpointError(f"{where}: {name}'s {key} has shape {tuple(v.shape)}, the parameter {shape}")
+        return {k: whole(v) if isinstance(v, TensorRef) else v for k, v in entry.items()}
 
 
 def _flat_prefix(name: str) -> Optional[str]:
