@@ -195,3 +195,29 @@ def test_fsdp2_files_consolidate_with_this_torch(tmp_path):
     assert got["param_groups"] == want["param_groups"]
     for name, entry in want["state"].items():
         _equal(got["state"][name], entry)
+
+
+def test_fsdp2_files_reshard_with_this_torch(tmp_path):
+    """This torch pickles the DTensors of 2 -> 3 (torch 2.5 or newer; older ones are refused in one line): each
+    rank's piece is ``torch.chunk`` of the whole, the optimizer's moments too."""
+    from ckptshard.errors import CheckpointError
+
+    src = GOLDEN / "fsdp2"
+    try:
+        ckptshard.reshard(str(src), str(tmp_path / "r3"), 3, progress=False)
+    except CheckpointError as e:
+        assert "needs torch 2.5 or newer" in str(e)
+        pytest.skip(f"torch {torch.__version__}: no DTensor files")
+    full, optim = _load(src / "full_model.pt"), _load(src / "full_optim.pt")
+    names = list(optim["state"])  # FSDP2's full optimizer state: by name, in parameter order
+    for r in range(3):
+        model = torch.load(tmp_path / "r3" / f"model_world_size_3_rank_{r}.pt", weights_only=False)
+        osd = torch.load(tmp_path / "r3" / f"optim_world_size_3_rank_{r}.pt", weights_only=False)
+        pieces = [(name, v.to_local(), full[name]) for name, v in model.items() if hasattr(v, "to_local")]
+        for pid, entry in osd["state"].items():
+            pieces += [(k, v.to_local(), optim["state"][names[pid]][k]) for k, v in entry.items() if v.dim()]
+        assert len(pieces) > len(model)
+        for name, local, whole in pieces:
+            chunks = torch.chunk(whole, 3)
+            want = chunks[r] if r < len(chunks) else whole[:0]
+            assert torch.equal(local, want), (r, name)

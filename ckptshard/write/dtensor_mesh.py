@@ -72,6 +72,9 @@ def _dynamo_left_unimported(*constructors: Any) -> Iterator[None]:
     cached = []
     for c in constructors:
         fn = getattr(c, "__wrapped__", None)
+        code = getattr(c, "__code__", None)
+        if code is None or not code.co_filename.endswith("_compile.py"):
+            continue  # not torch._compile's _disable_dynamo wrapper (other torch versions): torch's own path
         if fn is not None and getattr(fn, "__dynamo_disable", None) is None:
             fn.__dynamo_disable = fn
             cached.append(fn)
