@@ -333,6 +333,13 @@ def consolidate(
     help="Leave the optimizer state out: a model-only checkpoint (weights, buffers, the rest of the container).",
 )
 @click.option(
+    "--like",
+    "like",
+    default=None,
+    type=click.Path(exists=True),
+    help="For FSDP1 LOCAL_STATE_DICT files (flat parameters): the model's full state dict, as for consolidate.",
+)
+@click.option(
     "--model-parallel",
     default=None,
     type=int,
@@ -352,6 +359,7 @@ def reshard(
     dst: str,
     jobs: int,
     no_optimizer: bool,
+    like: Optional[str],
     model_parallel: Optional[int],
     mp_rules: tuple,
     mp_presets: tuple,
@@ -377,6 +385,7 @@ def reshard(
             progress=not quiet,
             jobs=jobs,
             optimizer=not no_optimizer,
+            like=like,
             model_parallel=model_parallel,
             mp_rules=mp_rules,
             mp_presets=mp_presets,

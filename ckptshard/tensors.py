@@ -76,6 +76,7 @@ class DTensorRef:
     placements: Tuple[Tuple[str, int], ...]
     coordinate: Optional[Tuple[int, ...]] = None
     sharded_tensor: bool = False  # FSDP1's SHARDED_STATE_DICT ShardedTensor, read as the DTensor it amounts to
+    requires_grad: bool = False  # a ShardedTensor's recorded property
 
     @property
     def tie_key(self) -> Optional[Tuple[Any, ...]]:
@@ -124,6 +125,7 @@ class DTensorFill:
     shape: Tuple[int, ...]
     placements: Tuple[Tuple[str, int], ...]
     sharded_tensor: bool = False
+    requires_grad: bool = False  # recorded in a ShardedTensor's properties (LOCAL_STATE_DICT's flat parameters)
 
 
 Progress = Callable[[int], None]  # called with the bytes just written

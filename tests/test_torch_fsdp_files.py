@@ -454,6 +454,43 @@ def test_reshard_from_world_size_1(no_shard_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["alone", "ours", "torch"]
 
 
+@pytest.mark.parametrize(
+    "m, bf16, orig, n",
+    [(3, False, True, 2), (2, False, True, 3), (3, True, True, 4), (3, False, False, 2), (2, False, True, 1)],
+)
+def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
+    cache_root, flat_params_run, m, bf16, orig, n, tmp_path
+):
+    """LOCAL_STATE_DICT at M -> N with --like: every unit's flat parameter (padding included) and, under
+    use_orig_params, each parameter's slice, as FSDP1 at N holds them after loading the full state."""
+    src = _fsdp1_run(cache_root, m, bf16) if orig else flat_params_run
+    like = str(src / "ref" / "full_model.pt")
+    ckptshard.reshard(str(src / "local"), str(tmp_path / "ours"), n, like=like, progress=False)
+    torch_fsdp_runs.fsdp1_local_at(str(src / "ref"), str(tmp_path / "torch"), n, bf16, orig)
+    torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "ours"), str(tmp_path / "torch"), n)
+    at_n = like if n > 1 else None  # at one rank (NO_SHARD) the files hold the plain tensors
+    ckptshard.consolidate(str(tmp_path / "ours"), str(tmp_path / "full.pt"), like=at_n, progress=False)
+    _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
+
+
+def test_fsdp1_local_state_dict_reshard_needs_like_and_the_same_model(cache_root, runs, tmp_path):
+    src = _fsdp1_run(cache_root, 3, False) / "local"
+    with pytest.raises(CheckpointError, match="pass --like FULL"):
+        ckptshard.reshard(str(src), str(tmp_path / "a"), 2, progress=False)
+    with pytest.raises(CheckpointError, match="--like is for FSDP1 LOCAL_STATE_DICT files"):
+        ckptshard.reshard(str(runs[2]), str(tmp_path / "b"), 3, like=str(src.parent / "ref" / "full_model.pt"))
+    other = tmp_path / "other.pt"
+    full = _load(src.parent / "ref" / "full_model.pt")
+    torch.save({**full, "blocks.0.up.bias": torch.zeros(8)}, other)  # one element more
+    with pytest.raises(CheckpointError, match="is stored as .0., --like has .8.: not the same model"):
+        ckptshard.reshard(str(src), str(tmp_path / "c"), 2, like=str(other), progress=False)
+    first = "blocks.0.down.weight"  # the same tensors in another order: the flat layout no longer fits
+    torch.save({first: full[first], **{k: v for k, v in full.items() if k != first}}, other)
+    with pytest.raises(CheckpointError, match="fit no 2-, 4- or 8-element alignment"):
+        ckptshard.reshard(str(src), str(tmp_path / "c"), 2, like=str(other), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.pt"]
+
+
 def test_fsdp1_and_fsdp2_files_mixed_are_refused(fsdp1_runs, runs, tmp_path):
     mixed = tmp_path / "mixed"
     shutil.copytree(fsdp1_runs[2], mixed)

@@ -19,8 +19,8 @@ from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.model_parallel import MpRule, rules_from
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
-from ..plan.torch_ranks import Fsdp1Optimizer, resharded_model, resharded_optimizer
-from ..read.full_state import full_state_refs
+from ..plan.torch_ranks import Fsdp1Optimizer, LocalReshard, resharded_model, resharded_optimizer
+from ..read.full_state import full_state_refs, keeps_model_order
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint, open_checkpoint
@@ -172,6 +172,7 @@ def reshard(
     progress: bool = True,
     jobs: int = 1,
     optimizer: bool = True,
+    like: Optional[str] = None,
     model_parallel: Optional[int] = None,
     mp_rules: Sequence[str] = (),
     mp_presets: Sequence[str] = (),
@@ -192,6 +193,7 @@ def reshard(
         progress: show a progress bar.
         jobs: local processes writing the files (0: chosen from the plan; 1: threads of this process).
         optimizer: False leaves the optimizer state out (a model-only checkpoint).
+        like: for FSDP1 LOCAL_STATE_DICT files, the model's full state dict (as ``consolidate``'s).
         model_parallel, mp_rules, mp_presets, mp_tolerance: for several model-parallel parts, the number of
             parts to write (default: as many as there are); another number needs the rules that say which
             tensors tensor parallelism split (see ``consolidate``).
@@ -207,7 +209,10 @@ def reshard(
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
     _check_world_size(world_size)
-    ranks = open_torch_ranks(src)
+    like_refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
+    ranks = open_torch_ranks(src, like_refs, keeps_model_order(like) if like else True)
+    if like and (ranks is None or ranks.local is None):
+        raise CheckpointError(f"{src}: --like is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
     if ranks is not None:
         return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
     parts = find_model_parts(src)
@@ -402,9 +407,13 @@ def reshard_ranks(
     wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
     fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" else None
 
+    local = LocalReshard(ranks, world) if ranks.local is not None and world > 1 else None
+
     def rank_trees(r: int) -> Dict[str, Any]:
         if ranks.kind == "fsdp1" and world == 1:  # NO_SHARD: every tensor whole
             trees = {"model": ranks.full_model()}
+        elif local is not None:
+            trees = {"model": local.rank(r)}
         else:
             trees = {"model": resharded_model(ranks, world, r, wholes)}
         if fsdp1 is not None:

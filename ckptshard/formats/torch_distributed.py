@@ -108,6 +108,7 @@ class DTensorPiece:
         self.dtype, self.shape, self.local, self.placements = shell.dtype, shell.shape, local, placements
         self.coordinate = coordinate_of(mesh)
         self.sharded_tensor = False
+        self.requires_grad = False  # a ShardedTensor's recorded property (LOCAL_STATE_DICT's flat parameters: True)
 
 
 def placement(p: Any) -> Tuple[str, int]:
@@ -166,4 +167,7 @@ def finish_sharded_tensor(shell: WrapperShell, state: Any) -> Optional[DTensorPi
     local = shards[0].field("tensor") if shards and isinstance(shards[0], Record) else None
     piece = DTensorPiece(shell, local, (("shard", 0),), None)
     piece.coordinate, piece.sharded_tensor = (rank,), True
+    props = metadata.field("tensor_properties", 2) if isinstance(metadata, Record) else None
+    fields = props.field("state") if isinstance(props, Record) else None  # pickled as a tuple of its fields
+    piece.requires_grad = isinstance(fields, tuple) and len(fields) > 2 and fields[2] is True
     return piece

@@ -218,7 +218,9 @@ class _Unpickler(pickle.Unpickler):
 def to_refs(path: str, obj: Any) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, DTensorPiece):
-            return DTensorRef(leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate, x.sharded_tensor)
+            return DTensorRef(
+                leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate, x.sharded_tensor, x.requires_grad
+            )
         if isinstance(x, Record):
             raise Unsupported(f"a {x.qualname} outside a DTensor")
         if isinstance(x, _BareDType):

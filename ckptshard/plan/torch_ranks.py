@@ -15,22 +15,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
-from ..layout.fsdp1_flat import FlatUnits, find_units, same_at
-from ..read.torch_ranks import TorchRanks, assemble
+from ..layout.fsdp1_flat import ALIGNS, FlatUnits, find_units, flat_offsets, param_slices, same_at
+from ..read.torch_ranks import TorchRanks, assemble, flat_prefix
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
 
 
 def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
     kind, dim = first.placements[0]
     if kind == "replicate":
-        return DTensorFill(full, tuple(first.shape), first.placements, first.sharded_tensor)
+        return DTensorFill(full, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad)
     sizes = chunk_sizes(first.shape[dim], world)
     start = sum(sizes[:rank])
     sources = []
     for whole_at, piece_at, length in row_runs(first.shape, dim, start, sizes[rank]):
         sources.extend(sources_in(full, whole_at, whole_at + length, piece_at))
     local = Fill(local_shape(first.shape, dim, sizes[rank]), first.dtype, tuple(sources))
-    return DTensorFill(local, tuple(first.shape), first.placements, first.sharded_tensor)
+    return DTensorFill(local, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad)
 
 
 Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled once for every output rank
@@ -144,3 +144,109 @@ class Fsdp1Optimizer:
         if isinstance(v, Fill) and v.shape:
             return Fill((count,), v.dtype, sources_in(v, start, start + count))
         return v
+
+
+class LocalReshard:
+    """FSDP1's LOCAL_STATE_DICT files of rank r of N: each unit's flat parameter as FSDP1 at N holds it (a
+    ShardedTensor of this rank's chunk) and, under ``use_orig_params``, each parameter's 1-D slice in it.
+
+    The units are the files' flat parameters, their parameters ``like``'s (``LocalStateDict.units``).
+    Without ``use_orig_params`` a flat parameter is its parameters end to end, cut as ``torch.chunk``
+    cuts it. With it, each parameter is aligned to ``align`` elements and the whole padded to a multiple of
+    the world size; the alignment is the one of 4, 8 or 2 elements that gives every rank's slices at M
+    exactly, refused where none does or two cut differently at N.
+    """
+
+    def __init__(self, ranks: TorchRanks, world: int) -> None:
+        assert ranks.local is not None
+        self.ranks, self.world = ranks, world
+        local = ranks.local
+        self.full = local.full_model()
+        self.units = local.units()
+        self.layouts: Dict[str, Tuple[List[str], List[int], int, bool]] = {}  # names, offsets, size at N, sliced
+        for prefix, (names, _) in self.units.items():
+            self.layouts[prefix] = self._layout(prefix, names)
+
+    def _layout(self, prefix: str, names: List[str]) -> Tuple[List[str], List[int], int, bool]:
+        local, M, N = self.ranks.local, self.ranks.world_size, self.world
+        assert local is not None
+        flat = local.flats[prefix]
+        numels = [self.full[n].numel for n in names]
+        sliced = bool(names) and names[0] in self.ranks.models[0]
+        if not sliced:  # the parameters end to end; LocalStateDict checked the size
+            offsets, total = flat_offsets(numels, 1)
+            return names, offsets, total, False
+        fits = []
+        for align in ALIGNS:
+            offsets, total = flat_offsets(numels, align)
+            padded = -(-total // M) * M
+            if padded != flat.numel:
+                continue
+            shard = padded // M
+            if all(
+                param_slices(at, n, shard).get(r, (0, 0))[1] == sd[name].numel
+                for name, at, n in zip(names, offsets, numels)
+                for r, sd in enumerate(self.ranks.models)
+            ):
+                fits.append((offsets, -(-total // N) * N))
+        unit = f"{prefix}_flat_param"
+        if not fits:
+            raise CheckpointError(
+                f"{self.ranks.files.model[0]}: {unit} and its parameters' slices fit no 2-, 4- or 8-element "
+                "alignment of the parameters --like puts in it: not this model's files"
+            )
+        if any(f != fits[0] for f in fits):
+            raise CheckpointError(
+                f"{self.ranks.files.model[0]}: {unit}'s slices fit several alignments that cut it differently "
+                f"at {N} ranks: convert --to dcp --like and load that instead"
+            )
+        return names, fits[0][0], fits[0][1], True
+
+    def rank(self, rank: int) -> Dict[str, Any]:
+        """Rank ``rank``'s ``model.state_dict()`` under LOCAL_STATE_DICT, in the source files' order.
+
+        A parameter's place in its flat parameter does not depend on the world size, so the first elements
+        of the flat parameter at N, padding between parameters included, are the source's. Padding added
+        for the new world size holds what the source's padding holds (FSDP1 fills padding with one value).
+        """
+        local = self.ranks.local
+        assert local is not None
+        flat_keys = {flat_prefix(k): k for k in self.ranks.models[0] if flat_prefix(k) is not None}
+        out: Dict[str, Any] = {}
+        for prefix, (names, offsets, size, sliced) in self.layouts.items():
+            flat = local.flats[prefix]
+            sizes = chunk_sizes(size, self.world)
+            start = sum(sizes[:rank])
+            stop = start + sizes[rank]
+            total = offsets[-1] + self.full[names[-1]].numel if names else 0
+            sources = list(sources_in(flat, start, min(stop, total)))
+            pad = _padding_at(offsets, [self.full[n].numel for n in names], flat.numel)
+            if pad is not None:
+                for at in range(max(start, total), stop):
+                    sources.extend(sources_in(flat, pad, pad + 1, at - start))
+            for name, at in zip(names, offsets):
+                if sliced:  # this rank's elements of the parameter, none if it holds none
+                    param = self.full[name]
+                    lo, hi = max(at, start), min(at + param.numel, stop)
+                    lo, hi = (lo, hi) if lo < hi else (at, at)
+                    out[name] = Fill((hi - lo,), param.dtype, sources_in(param, lo - at, hi - at))
+            for twin, name in self.units[prefix][1].items():
+                if sliced:
+                    out[twin] = out[name]
+            piece = Fill((sizes[rank],), flat.dtype, tuple(sources))
+            grad = self.ranks.models[0][flat_keys[prefix]].requires_grad
+            out[flat_keys[prefix]] = DTensorFill(piece, (size,), (("shard", 0),), True, grad)
+        for name, v in self.ranks.models[0].items():
+            if name not in out:  # a buffer, whole; another value as it is
+                out[name] = self.full[name] if isinstance(v, TensorRef) else v
+        return {name: out[name] for name in self.ranks.models[0]}
+
+
+def _padding_at(offsets: List[int], numels: List[int], size: int) -> Optional[int]:
+    """An element of a flat parameter of ``size`` that no parameter covers, if any."""
+    at = 0
+    for offset, n in zip(offsets, numels):
+        if offset > at:
+            return at
+        at = offset + n
+    return at if at < size else None

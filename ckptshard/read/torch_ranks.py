@@ -192,7 +192,7 @@ class TorchRanks:
         if any(len(k) > 1 for k in kinds) or len(set().union(*kinds)) > 1:
             bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
             raise CheckpointError(f"{bad}: FSDP1 (ShardedTensor) and FSDP2 (DTensor) files mixed in one checkpoint")
-        flat = next((k for k in self.models[0] if _flat_prefix(k) is not None), None)
+        flat = next((k for k in self.models[0] if flat_prefix(k) is not None), None)
         # FSDP1 at world size 1 runs NO_SHARD: every entry a plain tensor, parameters and buffers alike.
         self.no_shard = files.verl and self.world_size == 1 and flat is None and not has_dtensors(self.models[0])
         self.kind = "fsdp1" if True in kinds[0] or self.no_shard else "fsdp2"
@@ -305,7 +305,8 @@ class TorchRanks:
         if self.local is not None:
             raise CheckpointError(
                 f"{(self.files.optim or self.files.model)[0]}: the optimizer state beside an FSDP1 "
-                "LOCAL_STATE_DICT is not read by ckptshard (its weights are: drop --optimizer)"
+                "LOCAL_STATE_DICT is not read by ckptshard (its weights are: consolidate without --optimizer, "
+                "reshard with --no-optimizer)"
             )
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
@@ -498,7 +499,7 @@ class TorchRanks:
         return {k: whole(v) if isinstance(v, TensorRef) else v for k, v in entry.items()}
 
 
-def _flat_prefix(name: str) -> Optional[str]:
+def flat_prefix(name: str) -> Optional[str]:
     """``blocks.0.`` for ``blocks.0._flat_param`` (an FSDP1 unit's flat parameter), ``""`` for the root's."""
     head, _, last = name.rpartition(".")
     return (head + "." if head else "") if last in ("_flat_param", "flat_param") else None
@@ -517,10 +518,10 @@ class LocalStateDict:
     def __init__(self, models: List[Dict[str, Any]], like: Dict[str, TensorRef], where: str, ordered: bool) -> None:
         self.models, self.like, self.where, self.ordered = models, like, where, ordered
         first = models[0]
-        unknown = next((k for k in first if _flat_prefix(k) is None and k not in like), None)
+        unknown = next((k for k in first if flat_prefix(k) is None and k not in like), None)
         if unknown is not None:
             raise CheckpointError(f"{where}: holds {unknown}, which --like lacks: not the same model")
-        self.flats = {_flat_prefix(k): assemble([sd[k] for sd in models]) for k in first if _flat_prefix(k) is not None}
+        self.flats = {flat_prefix(k): assemble([sd[k] for sd in models]) for k in first if flat_prefix(k) is not None}
 
     def _slices(self, name: str, ref: TensorRef) -> Optional[Fill]:
         """The parameter joined from each rank's 1-D slice (``use_orig_params``), or None if not stored so."""
@@ -551,8 +552,45 @@ class LocalStateDict:
                 )
         out.update(self._cut(flat_params))
         # The model's order: like's if it keeps it, else the files' (each name there under use_orig_params).
-        order = list(self.like) if self.ordered else [k for k in self.models[0] if _flat_prefix(k) is None]
+        order = list(self.like) if self.ordered else [k for k in self.models[0] if flat_prefix(k) is None]
         return {name: out[name] for name in order + [n for n in self.like if n not in order]}
+
+    def param_names(self) -> List[str]:
+        """The parameters, in ``like``'s order: the names stored as rank slices or only in a flat parameter
+        (the others are buffers, whole on every rank)."""
+        out = []
+        for name, ref in self.like.items():
+            v0 = self.models[0].get(name)
+            if v0 is None or self._slices(name, ref) is not None:
+                out.append(name)
+        return out
+
+    def units(self) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
+        """Each flat parameter's prefix -> the parameters it holds in flat order (a tie once), and the tie's
+        other names -> the name stored. Under ``use_orig_params`` a tie's names are views of one place in every
+        rank's file; without it, ties are told by ``like``'s values and the flat parameter's size."""
+        prefixes = sorted(self.flats, key=len, reverse=True)
+        members: Dict[str, List[str]] = {p: [] for p in self.flats}
+        for name in self.param_names():
+            unit = next((p for p in prefixes if name.startswith(p)), None)
+            if unit is None:
+                raise CheckpointError(f"{self.where}: {name} is under no FSDP unit's flat parameter")
+            members[unit].append(name)
+        out: Dict[str, Tuple[List[str], Dict[str, str]]] = {}
+        for unit, names in members.items():
+            if all(n in self.models[0] for n in names):  # rank slices: a tie is the same bytes on every rank
+                seen: Dict[Any, str] = {}
+                twins: Dict[str, str] = {}
+                for n in names:
+                    key = tuple((sd[n].offset, sd[n].numel) for sd in self.models)
+                    if sum(sd[n].numel for sd in self.models) and key in seen:
+                        twins[n] = seen[key]
+                    else:
+                        seen.setdefault(key, n)
+                out[unit] = ([n for n in names if n not in twins], twins)
+            else:
+                out[unit] = self._untied(names, self.flats[unit].numel)
+        return out
 
     def _cut(self, names: List[str]) -> Dict[str, Fill]:
         """``names`` (in ``like``'s order) cut from the flat parameters."""

@@ -317,6 +317,23 @@ def fsdp1_torch_at(ref: str, out: str, world: int, bf16: bool = False) -> None:
     run_world(_fsdp1_at_worker, world, ref, out, bf16)
 
 
+def _fsdp1_local_at_worker(rank: int, world: int, ref: str, out: str, bf16: bool, orig_params: bool) -> None:
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    model = fsdp1_wrapped(seed=7, bf16=bf16, orig_params=orig_params)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+        model.load_state_dict(torch.load(os.path.join(ref, "full_model.pt"), weights_only=True))
+    os.makedirs(out, exist_ok=True)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
+
+
+def fsdp1_local_at(ref: str, out: str, world: int, bf16: bool = False, orig_params: bool = True) -> None:
+    """The full reference loaded into FSDP1 at ``world``, its LOCAL_STATE_DICT files saved: torch's own at N."""
+    run_world(_fsdp1_local_at_worker, world, ref, out, bf16, orig_params)
+
+
 def _fsdp1_compare_worker(rank: int, world: int, a: str, b: str) -> None:
     name = f"model_world_size_{world}_rank_{rank}.pt"
     got, want = (torch.load(os.path.join(d, name), weights_only=False) for d in (a, b))

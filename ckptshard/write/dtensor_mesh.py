@@ -99,17 +99,17 @@ def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
     return DTensor.from_local(local, mesh, kinds, run_check=False, shape=tuple(shape), stride=tuple(reversed(stride)))
 
 
-def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
+def sharded_tensor_of(local: Any, mesh: Any, shape: Any, placements: Any, requires_grad: bool = False) -> Any:
     """FSDP1's SHARDED_STATE_DICT ShardedTensor of ``local``, this rank's dim-0 chunk of ``shape`` (as
     ``torch.chunk`` cuts it: a rank past the last chunk holds no shard), no communication. Placements are
     CPU ones, as FSDP1 with ``offload_to_cpu`` (verl's) saves them."""
     # torch deprecates ShardedTensor (warning on every operation, torch.save's included); FSDP1's files hold
     # them all the same.
     warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
-    return _sharded_tensor(local, mesh, shape, placements)
+    return _sharded_tensor(local, mesh, shape, placements, requires_grad)
 
 
-def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
+def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any, requires_grad: bool) -> Any:
     import torch
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
     from torch.distributed._shard.sharding_spec import ShardMetadata
@@ -123,11 +123,13 @@ def _sharded_tensor(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
     metadata = [
         ShardMetadata([at, *rest], [n, *shape[1:]], f"rank:{r}/cpu") for r, (at, n) in enumerate(zip(starts, rows))
     ]
+    if requires_grad:  # the shard must say what the properties say (LOCAL_STATE_DICT's flat parameters)
+        local = local.detach().requires_grad_(True)
     local_shards = [Shard.from_tensor_and_offsets(local, [starts[rank], *rest], rank)] if rank < len(rows) else []
     properties = TensorProperties(
         dtype=local.dtype,
         layout=torch.strided,
-        requires_grad=False,
+        requires_grad=requires_grad,
         memory_format=torch.contiguous_format,
         pin_memory=False,
     )

@@ -237,8 +237,10 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None)
             dtensors = True
             if id(leaf) not in fakes:
                 local = placeholder(leaf.local.shape, leaf.local.dtype)
-                make = sharded_tensor_of if leaf.sharded_tensor else dtensor_of
-                fakes[id(leaf)] = make(local, mesh, leaf.shape, leaf.placements)
+                if leaf.sharded_tensor:
+                    fakes[id(leaf)] = sharded_tensor_of(local, mesh, leaf.shape, leaf.placements, leaf.requires_grad)
+                else:
+                    fakes[id(leaf)] = dtensor_of(local, mesh, leaf.shape, leaf.placements)
             return fakes[id(leaf)]
         if not isinstance(leaf, Fill):
             return leaf
