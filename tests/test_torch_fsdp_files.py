@@ -468,6 +468,8 @@ def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
     ckptshard.reshard(str(src / "local"), str(tmp_path / "ours"), n, like=like, progress=False)
     torch_fsdp_runs.fsdp1_local_at(str(src / "ref"), str(tmp_path / "torch"), n, bf16, orig)
     torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "ours"), str(tmp_path / "torch"), n)
+    assert ckptshard.verify(str(tmp_path / "ours")) == []  # without --like: the manifest and the pieces
+    assert ckptshard.inspect_checkpoint(str(tmp_path / "ours"))["local_state_dict"] == (n > 1)
     at_n = like if n > 1 else None  # at one rank (NO_SHARD) the files hold the plain tensors
     ckptshard.consolidate(str(tmp_path / "ours"), str(tmp_path / "full.pt"), like=at_n, progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")

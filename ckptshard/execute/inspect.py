@@ -166,6 +166,8 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
                 placed, nbytes = f"{placed}, tied to {first_name[key]}", 0
         elif isinstance(v, TensorRef):
             nbytes, placed = v.nbytes, "plain (rank 0's)"
+            if ranks.flat is not None:  # LOCAL_STATE_DICT: a parameter's slice on rank 0, or a buffer
+                placed = "rank 0's (a parameter's slice or a buffer)"
         else:
             values.append(name)
             continue
@@ -186,6 +188,7 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
         "source": files.folder,
         "format": "fsdp2",
         "kind": ranks.kind,
+        "local_state_dict": ranks.flat is not None,
         "layout": "verl" if files.verl else "per-rank files",
         "world_size": ranks.world_size,
         "tensor_bytes": total,
@@ -202,7 +205,8 @@ def _format_ranks(s: Dict[str, Any]) -> str:
     o = s["optimizer"]
     lines = [
         f"source      {s['source']}",
-        f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})",
+        f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})"
+        + (", LOCAL_STATE_DICT: flat parameters (--like FULL reads them)" if s["local_state_dict"] else ""),
         f"world size  {s['world_size']}",
         f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
         "optimizer   none"

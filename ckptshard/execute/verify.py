@@ -33,9 +33,10 @@ def verify(path: str) -> List[str]:
         if is_dcp(path):
             open_dcp(path)  # every chunk's frame reads back with the shape and dtype .metadata names
         elif (ranks := open_torch_ranks(path)) is not None:
-            ranks.full_model()  # every rank's pieces agree and add up to the whole
-            if ranks.optims is not None:
-                ranks.full_optimizer()
+            if ranks.flat is None:  # LOCAL_STATE_DICT: what the flat parameters hold needs the model (--like)
+                ranks.full_model()  # every rank's pieces agree and add up to the whole
+                if ranks.optims is not None:
+                    ranks.full_optimizer()
         elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
             open_checkpoint(path)  # every rank's metadata, sizes and padding agree
         else:

@@ -197,13 +197,8 @@ class TorchRanks:
         self.no_shard = files.verl and self.world_size == 1 and flat is None and not has_dtensors(self.models[0])
         self.kind = "fsdp1" if True in kinds[0] or self.no_shard else "fsdp2"
         self.local: Optional[LocalStateDict] = None
-        if flat is not None:
-            if like is None:
-                raise CheckpointError(
-                    f"{files.model[0]}: an FSDP1 LOCAL_STATE_DICT ({flat}: one flat parameter per FSDP unit, which "
-                    "does not record the parameters it holds): pass --like FULL, the model's full state dict "
-                    "(its own safetensors or torch.save file: names, shapes, ties), to consolidate it"
-                )
+        self.flat = flat  # FSDP1 LOCAL_STATE_DICT: a unit's flat parameter's name
+        if flat is not None and like is not None:
             self.local = LocalStateDict(self.models, dict(like), files.model[0], like_ordered)
         self._check_models()
         self.optims = None
@@ -242,7 +237,7 @@ class TorchRanks:
                     _check_piece(name, v, r, W, path)
                 elif (
                     isinstance(v, TensorRef)
-                    and self.local is None  # LOCAL_STATE_DICT: each rank's slice of an original parameter
+                    and self.flat is None  # LOCAL_STATE_DICT: each rank's slice of an original parameter
                     and (not isinstance(v0, TensorRef) or (v.shape, str(v.dtype)) != (v0.shape, str(v0.dtype)))
                 ):
                     raise CheckpointError(f"{path}: {name} differs from rank 0's in shape or dtype")
@@ -284,6 +279,7 @@ class TorchRanks:
 
     def full_model(self) -> Dict[str, Any]:
         """Every name's whole tensor as a Fill (a tie is one Fill); plain tensors and values from rank 0."""
+        self.require_like()
         if self.local is not None:
             return self.local.full_model()
         out: Dict[str, Any] = {}
@@ -302,7 +298,7 @@ class TorchRanks:
 
     def optimizer_ids(self) -> List[Tuple[int, str]]:
         """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
-        if self.local is not None:
+        if self.flat is not None:
             raise CheckpointError(
                 f"{(self.files.optim or self.files.model)[0]}: the optimizer state beside an FSDP1 "
                 "LOCAL_STATE_DICT is not read by ckptshard (its weights are: consolidate without --optimizer, "
@@ -405,8 +401,19 @@ class TorchRanks:
             )
         return [(pid, names[j]) for pid, j in zip(ids, found.picked)]
 
+    def require_like(self) -> None:
+        """Refuse a LOCAL_STATE_DICT read without ``like``: what its flat parameters hold is recorded nowhere."""
+        if self.flat is not None and self.local is None:
+            raise CheckpointError(
+                f"{self.files.model[0]}: an FSDP1 LOCAL_STATE_DICT ({self.flat}: one flat parameter per FSDP unit, "
+                "which does not record the parameters it holds): pass --like FULL, the model's full state dict "
+                "(its own safetensors or torch.save file: names, shapes, ties)"
+            )
+
     def require_params(self) -> None:
-        """Refuse where the parameters are not told from the buffers (FSDP1 at world size 1)."""
+        """Refuse where the parameters are not told from the buffers (FSDP1 at world size 1) or from the flat
+        parameters (LOCAL_STATE_DICT without ``like``)."""
+        self.require_like()
         if self.params_known:
             return
         if self._no_shard_error is not None:
