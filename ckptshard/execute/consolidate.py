@@ -17,10 +17,9 @@ from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.model_parallel import MpRule, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
-from ..read.full_state import full_state_refs, keeps_model_order
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
-from ..read.torch_ranks import TorchRanks, open_torch_ranks
+from ..read.torch_ranks import TorchRanks, open_torch_ranks_like
 from ..tensors import Fill, tree_nbytes, with_fills
 from ..tree import copy_tree, get_path, set_path
 from ..write.copier import Copier
@@ -297,10 +296,7 @@ def consolidate(
         out, fmt, container, optimizer, overwrite, trust_pickles, progress,
         tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs,
     )  # fmt: skip
-    like_refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
-    ranks = open_torch_ranks(src, like_refs, keeps_model_order(like) if like else True)
-    if like and (ranks is None or ranks.local is None):
-        raise CheckpointError(f"{src}: --like is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
+    ranks = open_torch_ranks_like(src, like, trust_pickles)
     if ranks is not None:
         if container:
             raise CheckpointError(f"{src}: torch FSDP2 per-rank files have no container to keep: drop --container")

@@ -31,9 +31,8 @@ from ..plan.dcp import (
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
 from ..read.dcp import is_dcp
-from ..read.full_state import full_state_refs, keeps_model_order
 from ..read.source import open_checkpoint
-from ..read.torch_ranks import TorchRanks, open_torch_ranks
+from ..read.torch_ranks import TorchRanks, open_torch_ranks_like
 from ..tensors import Progress, is_tensor, tree_nbytes
 from ..write.copier import Copier
 from ..write.dcp_files import (
@@ -143,10 +142,7 @@ def convert(
             jobs,
         )
     local_like = like if to == "dcp" else None  # FSDP1 LOCAL_STATE_DICT files: the model's full state dict
-    like_refs = full_state_refs(local_like, trust_pickles, torch_free=True) if local_like else None
-    ranks = open_torch_ranks(src, like_refs, keeps_model_order(local_like) if local_like else True)
-    if local_like and (ranks is None or ranks.local is None):
-        raise CheckpointError(f"{src}: --like with --to dcp is for FSDP1 LOCAL_STATE_DICT files, not these")
+    ranks = open_torch_ranks_like(src, local_like, trust_pickles, "--like with --to dcp")
     if ranks is not None and to == "dcp":
         return _ranks_to_dcp(ranks, out, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, jobs)
     if ranks is not None and to == "fairscale":

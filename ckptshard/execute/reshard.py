@@ -20,11 +20,11 @@ from ..plan.model_parallel import MpRule, rules_from
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
 from ..plan.torch_ranks import Fsdp1Optimizer, LocalReshard, resharded_model, resharded_optimizer
-from ..read.full_state import full_state_refs, keeps_model_order
+from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint, open_checkpoint
-from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ranks
+from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ranks_like
 from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
@@ -209,10 +209,7 @@ def reshard(
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
     _check_world_size(world_size)
-    like_refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
-    ranks = open_torch_ranks(src, like_refs, keeps_model_order(like) if like else True)
-    if like and (ranks is None or ranks.local is None):
-        raise CheckpointError(f"{src}: --like is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
+    ranks = open_torch_ranks_like(src, like, trust_pickles)
     if ranks is not None:
         return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
     parts = find_model_parts(src)
@@ -407,10 +404,11 @@ def reshard_ranks(
     wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
     fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" else None
 
-    local = LocalReshard(ranks, world) if ranks.local is not None and world > 1 else None
+    no_shard = ranks.kind == "fsdp1" and world == 1  # FSDP1 at one rank: plain tensors, no mesh, no torch
+    local = LocalReshard(ranks, world) if ranks.local is not None and not no_shard else None
 
     def rank_trees(r: int) -> Dict[str, Any]:
-        if ranks.kind == "fsdp1" and world == 1:  # NO_SHARD: every tensor whole
+        if no_shard:  # every tensor whole
             trees = {"model": ranks.full_model()}
         elif local is not None:
             trees = {"model": local.rank(r)}
@@ -438,7 +436,6 @@ def reshard_ranks(
         Hashes() as hashes,
     ):
         for r in range(world):
-            no_shard = ranks.kind == "fsdp1" and world == 1  # plain tensors: no mesh, no torch
             with contextlib.nullcontext() if no_shard else fake_mesh(world, r, dtensors=ranks.kind != "fsdp1") as mesh:
                 for kind, tree in planned.tree(r).items():
                     name = files.name_of(kind, r, world)

@@ -11,12 +11,12 @@ parameters, ``step`` is a plain tensor.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
-from ..layout.fsdp1_flat import ALIGNS, FlatUnits, find_units, flat_offsets, param_slices, same_at
-from ..read.torch_ranks import TorchRanks, assemble, flat_prefix
+from ..layout.fsdp1_flat import ALIGNS, FlatUnits, Slices, find_units, flat_offsets, same_at
+from ..read.torch_ranks import TorchRanks, assemble, flat_prefix, rank_slices
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
 
 
@@ -146,6 +146,16 @@ class Fsdp1Optimizer:
         return v
 
 
+class _UnitLayout(NamedTuple):
+    """One FSDP unit of a LOCAL_STATE_DICT, as :class:`LocalReshard` re-cuts it."""
+
+    names: List[str]  # its parameters in flat order, a tie once
+    total: int  # elements before world-size padding: the source's first ``total`` are the flat parameter at N
+    size: int  # the flat parameter's size at N
+    at_n: Optional[List[Slices]]  # use_orig_params: each parameter's slice on each rank of N (else None)
+    pad: Optional[int]  # an element of the source's padding, copied into the padding added at N
+
+
 class LocalReshard:
     """FSDP1's LOCAL_STATE_DICT files of rank r of N: each unit's flat parameter as FSDP1 at N holds it (a
     ShardedTensor of this rank's chunk) and, under ``use_orig_params``, each parameter's 1-D slice in it.
@@ -154,53 +164,46 @@ class LocalReshard:
     Without ``use_orig_params`` a flat parameter is its parameters end to end, cut as ``torch.chunk``
     cuts it. With it, each parameter is aligned to ``align`` elements and the whole padded to a multiple of
     the world size; the alignment is the one of 4, 8 or 2 elements that gives every rank's slices at M
-    exactly, refused where none does or two cut differently at N.
+    exactly (``FlatUnits``), refused where none does or two cut differently at N.
     """
 
     def __init__(self, ranks: TorchRanks, world: int) -> None:
         assert ranks.local is not None
         self.ranks, self.world = ranks, world
-        local = ranks.local
-        self.full = local.full_model()
-        self.units = local.units()
-        self.layouts: Dict[str, Tuple[List[str], List[int], int, bool]] = {}  # names, offsets, size at N, sliced
-        for prefix, (names, _) in self.units.items():
-            self.layouts[prefix] = self._layout(prefix, names)
+        self.full = ranks.local.full_model()
+        self.units = ranks.local.units()
+        self.layouts = {prefix: self._layout(prefix, names) for prefix, (names, _) in self.units.items()}
 
-    def _layout(self, prefix: str, names: List[str]) -> Tuple[List[str], List[int], int, bool]:
+    def _layout(self, prefix: str, names: List[str]) -> _UnitLayout:
         local, M, N = self.ranks.local, self.ranks.world_size, self.world
         assert local is not None
         flat = local.flats[prefix]
         numels = [self.full[n].numel for n in names]
-        sliced = bool(names) and names[0] in self.ranks.models[0]
-        if not sliced:  # the parameters end to end; LocalStateDict checked the size
-            offsets, total = flat_offsets(numels, 1)
-            return names, offsets, total, False
-        fits = []
-        for align in ALIGNS:
-            offsets, total = flat_offsets(numels, align)
-            padded = -(-total // M) * M
-            if padded != flat.numel:
-                continue
-            shard = padded // M
-            if all(
-                param_slices(at, n, shard).get(r, (0, 0))[1] == sd[name].numel
-                for name, at, n in zip(names, offsets, numels)
-                for r, sd in enumerate(self.ranks.models)
-            ):
-                fits.append((offsets, -(-total // N) * N))
+        if not (names and names[0] in self.ranks.models[0]):  # end to end; LocalStateDict checked the size
+            return _UnitLayout(names, flat.numel, flat.numel, None, None)
+        seen = [{r: (s.dst_start, s.length) for r, s in rank_slices([sd[n] for sd in self.ranks.models])[0].items()}
+                for n in names]  # fmt: skip
+        members = (tuple(range(len(names))),)
+        fits = [
+            units
+            for units in (FlatUnits(members, align, ()) for align in ALIGNS)
+            if -(-flat_offsets(numels, units.align)[1] // M) * M == flat.numel and units.slices(numels, M) == seen
+        ]
         unit = f"{prefix}_flat_param"
         if not fits:
             raise CheckpointError(
                 f"{self.ranks.files.model[0]}: {unit} and its parameters' slices fit no 2-, 4- or 8-element "
                 "alignment of the parameters --like puts in it: not this model's files"
             )
-        if any(f != fits[0] for f in fits):
+        totals = {flat_offsets(numels, units.align)[1] for units in fits}
+        if len(totals) > 1 or same_at(fits, numels, N) is None:
             raise CheckpointError(
                 f"{self.ranks.files.model[0]}: {unit}'s slices fit several alignments that cut it differently "
                 f"at {N} ranks: convert --to dcp --like and load that instead"
             )
-        return names, fits[0][0], fits[0][1], True
+        offsets, total = flat_offsets(numels, fits[0].align)
+        pad = _padding_at(offsets, numels, flat.numel)
+        return _UnitLayout(names, total, -(-total // N) * N, fits[0].slices(numels, N), pad)
 
     def rank(self, rank: int) -> Dict[str, Any]:
         """Rank ``rank``'s ``model.state_dict()`` under LOCAL_STATE_DICT, in the source files' order.
@@ -213,29 +216,25 @@ class LocalReshard:
         assert local is not None
         flat_keys = {flat_prefix(k): k for k in self.ranks.models[0] if flat_prefix(k) is not None}
         out: Dict[str, Any] = {}
-        for prefix, (names, offsets, size, sliced) in self.layouts.items():
+        for prefix, unit in self.layouts.items():
             flat = local.flats[prefix]
-            sizes = chunk_sizes(size, self.world)
+            sizes = chunk_sizes(unit.size, self.world)
             start = sum(sizes[:rank])
             stop = start + sizes[rank]
-            total = offsets[-1] + self.full[names[-1]].numel if names else 0
-            sources = list(sources_in(flat, start, min(stop, total)))
-            pad = _padding_at(offsets, [self.full[n].numel for n in names], flat.numel)
-            if pad is not None:
-                for at in range(max(start, total), stop):
-                    sources.extend(sources_in(flat, pad, pad + 1, at - start))
-            for name, at in zip(names, offsets):
-                if sliced:  # this rank's elements of the parameter, none if it holds none
+            sources = list(sources_in(flat, start, min(stop, unit.total)))
+            if unit.pad is not None:
+                for at in range(max(start, unit.total), stop):
+                    sources.extend(sources_in(flat, unit.pad, unit.pad + 1, at - start))
+            if unit.at_n is not None:  # this rank's elements of each parameter, none if it holds none
+                for name, slices in zip(unit.names, unit.at_n):
                     param = self.full[name]
-                    lo, hi = max(at, start), min(at + param.numel, stop)
-                    lo, hi = (lo, hi) if lo < hi else (at, at)
-                    out[name] = Fill((hi - lo,), param.dtype, sources_in(param, lo - at, hi - at))
-            for twin, name in self.units[prefix][1].items():
-                if sliced:
+                    first, count = slices.get(rank, (0, 0))
+                    out[name] = Fill((count,), param.dtype, sources_in(param, first, first + count))
+                for twin, name in self.units[prefix][1].items():
                     out[twin] = out[name]
             piece = Fill((sizes[rank],), flat.dtype, tuple(sources))
             grad = self.ranks.models[0][flat_keys[prefix]].requires_grad
-            out[flat_keys[prefix]] = DTensorFill(piece, (size,), (("shard", 0),), True, grad)
+            out[flat_keys[prefix]] = DTensorFill(piece, (unit.size,), (("shard", 0),), True, grad)
         for name, v in self.ranks.models[0].items():
             if name not in out:  # a buffer, whole; another value as it is
                 out[name] = self.full[name] if isinstance(v, TensorRef) else v

@@ -30,6 +30,7 @@ from ..osio.inputs import input_file
 from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
 from ..tree import leaves
 from .discover import find_shards
+from .full_state import full_state_refs, keeps_model_order
 from .tensor_data import repeated_values
 from .torch_file import read_torch_file
 
@@ -306,10 +307,10 @@ class TorchRanks:
             )
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
-        ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
         if self.no_shard:
             self.require_params()
             return self._no_shard_ids
+        ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
         names = self.param_names()
         where = (self.files.optim or ("",))[0]
         hint = ""
@@ -672,3 +673,15 @@ def open_torch_ranks(
     for p in files.paths:
         input_file(p)
     return TorchRanks(files, models, like, like_ordered)
+
+
+def open_torch_ranks_like(
+    src: str, like: Optional[str], trust_pickles: bool, option: str = "--like"
+) -> Optional[TorchRanks]:
+    """:func:`open_torch_ranks` with ``like`` the path of the model's full state dict (which FSDP1's
+    LOCAL_STATE_DICT files need), refused where ``src`` is not such files."""
+    refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
+    ranks = open_torch_ranks(src, refs, keeps_model_order(like) if like else True)
+    if like and (ranks is None or ranks.local is None):
+        raise CheckpointError(f"{src}: {option} is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
+    return ranks
