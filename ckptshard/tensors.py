@@ -10,7 +10,7 @@ leaves; ``ckptshard.write`` turns them into files.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from .dtypes import itemsize_of
@@ -77,6 +77,7 @@ class DTensorRef:
     coordinate: Optional[Tuple[int, ...]] = None
     sharded_tensor: bool = False  # FSDP1's SHARDED_STATE_DICT ShardedTensor, read as the DTensor it amounts to
     requires_grad: bool = False  # a ShardedTensor's recorded property
+    pickled: Any = field(default=None, compare=False, repr=False)  # its pickle, to write others by (dtensor_pickle)
 
     @property
     def tie_key(self) -> Optional[Tuple[Any, ...]]:
@@ -126,6 +127,7 @@ class DTensorFill:
     placements: Tuple[Tuple[str, int], ...]
     sharded_tensor: bool = False
     requires_grad: bool = False  # recorded in a ShardedTensor's properties (LOCAL_STATE_DICT's flat parameters)
+    pickled: Any = field(default=None, compare=False, repr=False)  # a source DTensor's pickle, to write it by
 
 
 Progress = Callable[[int], None]  # called with the bytes just written

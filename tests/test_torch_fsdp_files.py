@@ -10,6 +10,8 @@ import hashlib
 import json
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from conftest import _once
 
 import ckptshard
 from ckptshard.errors import CheckpointError
+from ckptshard.formats.dtensor_pickle import DTensorWriter
+from ckptshard.formats.torch_pickle import Unsupported
 from ckptshard.testing import torch_fsdp_runs
 
 SOURCES = (1, 2, 3, 4)
@@ -61,23 +65,7 @@ def resharded(runs, tmp_path_factory):
     return out
 
 
-def _assert_equal(got, want, where):
-    if isinstance(want, torch.distributed.tensor.DTensor):
-        assert isinstance(got, torch.distributed.tensor.DTensor), where
-        assert got.shape == want.shape and got.placements == want.placements, where
-        assert torch.equal(got.to_local(), want.to_local()), where
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert list(got) == list(want), where
-        for k in want:
-            _assert_equal(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_equal(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
+_assert_equal = torch_fsdp_runs.assert_same_state
 
 
 @pytest.mark.parametrize("w", SOURCES)
@@ -354,6 +342,29 @@ def test_fsdp1_reshard_is_what_fsdp1_at_n_saves(cache_root, m, bf16, n, tmp_path
         torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "ours"), str(tmp_path / "ours.pt"), n)
         torch_fsdp_runs.fsdp1_step_from(str(tmp_path / "torch"), str(tmp_path / "theirs.pt"), n)
         _assert_equal(_load(tmp_path / "ours.pt"), _load(tmp_path / "theirs.pt"), "after one step")
+
+
+NO_TORCH = (
+    "import sys, ckptshard; ckptshard.reshard(sys.argv[1], sys.argv[2], 4, progress=False); "
+    "print('torch' in sys.modules)"
+)
+
+
+def test_fsdp1_reshard_imports_no_torch_and_equals_torchs_own_pickling(cache_root, tmp_path, monkeypatch):
+    """The ShardedTensors are the source's own pickles rewritten (3 -> 4 leaves the 2-element parameter's last
+    ranks no shard); torch's pickling of the same plan, taken where the rewrite does not know a pickle,
+    gives the same files."""
+    src = _fsdp1_run(cache_root, 3, False)
+    run = [sys.executable, "-c", NO_TORCH, str(src), str(tmp_path / "fast")]
+    out = subprocess.run(run, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr
+
+    def refuse(self, fill):
+        raise Unsupported("test: let torch pickle it")
+
+    monkeypatch.setattr(DTensorWriter, "__call__", refuse)
+    ckptshard.reshard(str(src), str(tmp_path / "torch"), 4, progress=False)
+    _same_fsdp1_files(tmp_path / "fast", tmp_path / "torch", 4)
 
 
 def test_fsdp1_model_files_alone_reshard_without_telling_units(cache_root, tmp_path):

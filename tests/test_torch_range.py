@@ -198,21 +198,27 @@ def test_fsdp2_files_consolidate_with_this_torch(tmp_path):
 
 
 def test_fsdp2_files_reshard_with_this_torch(tmp_path):
-    """This torch pickles the DTensors of 2 -> 3 (torch 2.5 or newer; older ones are refused in one line): each
-    rank's piece is ``torch.chunk`` of the whole, the optimizer's moments too."""
-    from ckptshard.errors import CheckpointError
-
+    """2 -> 3 of committed FSDP2 files (torch 2.13's pickles), written without torch whatever torch is
+    installed: consolidating the output gives the full model and optimizer back. A torch with DTensor also
+    loads each rank's piece, equal to ``torch.chunk`` of the whole, the moments too."""
     src = GOLDEN / "fsdp2"
-    try:
-        ckptshard.reshard(str(src), str(tmp_path / "r3"), 3, progress=False)
-    except CheckpointError as e:
-        assert "needs torch 2.5 or newer" in str(e)
-        pytest.skip(f"torch {torch.__version__}: no DTensor files")
+    ckptshard.reshard(str(src), str(tmp_path / "r3"), 3, progress=False)
     full, optim = _load(src / "full_model.pt"), _load(src / "full_optim.pt")
+    ckptshard.consolidate(str(tmp_path / "r3"), str(tmp_path / "back.pt"), optimizer=True, progress=False)
+    _equal(_load(tmp_path / "back.pt"), full)
+    back = _load(tmp_path / "back.optim.pt")
+    for name, entry in optim["state"].items():
+        _equal(back["state"][name], entry)
+    try:
+        import torch.distributed.tensor
+    except ImportError:
+        return  # torch before 2.5: no DTensor to load the files with
     names = list(optim["state"])  # FSDP2's full optimizer state: by name, in parameter order
     for r in range(3):
         model = torch.load(tmp_path / "r3" / f"model_world_size_3_rank_{r}.pt", weights_only=False)
         osd = torch.load(tmp_path / "r3" / f"optim_world_size_3_rank_{r}.pt", weights_only=False)
+        mesh = next(v for v in model.values() if hasattr(v, "device_mesh")).device_mesh
+        assert vars(mesh)["_rank"] == r and vars(mesh)["_flatten_rank_map"] == (0, 1, 2)
         pieces = [(name, v.to_local(), full[name]) for name, v in model.items() if hasattr(v, "to_local")]
         for pid, entry in osd["state"].items():
             pieces += [(k, v.to_local(), optim["state"][names[pid]][k]) for k, v in entry.items() if v.dim()]

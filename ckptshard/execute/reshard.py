@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -12,6 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
+from ..formats.dtensor_pickle import MeshPlace
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.inputs import watched
@@ -28,7 +28,6 @@ from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ra
 from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
-from ..write.dtensor_mesh import fake_mesh
 from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
 from .consolidate import ranks_source_info, source_info
 from .model_parts import DEFAULT_TOLERANCE, repartitioned
@@ -436,12 +435,12 @@ def reshard_ranks(
         Hashes() as hashes,
     ):
         for r in range(world):
-            with contextlib.nullcontext() if no_shard else fake_mesh(world, r, dtensors=ranks.kind != "fsdp1") as mesh:
-                for kind, tree in planned.tree(r).items():
-                    name = files.name_of(kind, r, world)
-                    write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, mesh)
-                    digests[name] = hashes.digest(os.path.join(tmp, name))
-                    names.append(name)
+            place = None if no_shard else MeshPlace(world, r)
+            for kind, tree in planned.tree(r).items():
+                name = files.name_of(kind, r, world)
+                write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, place)
+                digests[name] = hashes.digest(os.path.join(tmp, name))
+                names.append(name)
             if files.extra:
                 name = files.name_of("extra_state", r, world)
                 shutil.copyfile(files.extra[r % ranks.world_size], os.path.join(tmp, name))

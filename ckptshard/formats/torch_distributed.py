@@ -15,7 +15,10 @@ local tensor, the global shape and the placements.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
+
+from ..dtypes import StoredDType
 
 SHARDED_TENSOR_NAMES = {
     ("torch.distributed._shard.sharded_tensor.api", "ShardedTensor"),
@@ -30,19 +33,29 @@ DTENSOR_NAMES = {
 
 
 class Record:
-    """An object of a ``torch.distributed`` class or call, kept as its arguments and state."""
+    """An object of a ``torch.distributed`` class or call, kept as its arguments and state.
+
+    ``called``: made by REDUCE (the class called) rather than NEWOBJ (only
+    ``__new__``); ``pickled_state``: what BUILD gave, as it was (None if no
+    BUILD). With the class's ``module`` and ``name`` they are the object's
+    pickle, to be written again (``dtensor_pickle``).
+    """
 
     qualname = "?"
+    module = name = ""
+    owner: Any = None  # a nested class reached by getattr(owner, name)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Record:
         self = object.__new__(cls)
         self.args, self.kwargs, self.state = args, kwargs, {}
+        self.called, self.pickled_state = False, None
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # __new__ kept the arguments; REDUCE calls the class, NEWOBJ only __new__
+        self.called = True  # __new__ kept the arguments; REDUCE calls the class, NEWOBJ only __new__
 
     def __setstate__(self, state: Any) -> None:
+        self.pickled_state = state
         if isinstance(state, tuple) and len(state) == 2:  # (dict state, slots state)
             state = {**(state[0] or {}), **(state[1] or {})}
         self.state = state if isinstance(state, dict) else {"state": state}
@@ -68,7 +81,9 @@ def record_class(module: str, name: str) -> type:
     """One inert class per ``module.name`` (so two records of one class compare by class)."""
     key = (module, name)
     if key not in _RECORD_CLASSES:
-        _RECORD_CLASSES[key] = type(name, (Record,), {"qualname": f"{module}.{name}", "__module__": __name__})
+        _RECORD_CLASSES[key] = type(
+            name, (Record,), {"qualname": f"{module}.{name}", "module": module, "name": name, "__module__": __name__}
+        )
     return _RECORD_CLASSES[key]
 
 
@@ -77,7 +92,9 @@ def record_getattr(owner: Any, name: str) -> Any:
     if not (isinstance(owner, type) and issubclass(owner, Record)):
         return None
     module, _, outer = owner.qualname.rpartition(".")
-    return record_class(module, f"{outer}.{name}")
+    found = record_class(module, f"{outer}.{name}")
+    found.owner, found.name = owner, name
+    return found
 
 
 def is_distributed(module: str) -> bool:
@@ -85,16 +102,21 @@ def is_distributed(module: str) -> bool:
 
 
 class DTensorType:
-    """``DTensor`` named as a rebuild target."""
+    """``DTensor`` named as a rebuild target (``module.name``: as the file names it)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
 
 
 class WrapperShell:
-    """``_rebuild_wrapper_subclass``'s result before its state: the global dtype and shape."""
+    """``_rebuild_wrapper_subclass``'s result before its state: the global dtype and shape; ``args``, all
+    its arguments (the rest: storage offset, layout, device, requires_grad)."""
 
     def __init__(self, cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> None:
         self.cls, self.dtype = cls, dtype
         self.shape = tuple(int(s) for s in size)
         self.stride = tuple(int(s) for s in stride)
+        self.args = (cls, dtype, size, stride, *rest)
 
 
 def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any, *rest: Any) -> WrapperShell:
@@ -109,6 +131,8 @@ class DTensorPiece:
         self.coordinate = coordinate_of(mesh)
         self.sharded_tensor = False
         self.requires_grad = False  # a ShardedTensor's recorded property (LOCAL_STATE_DICT's flat parameters: True)
+        self.shell: WrapperShell = shell
+        self.pickled_state: Any = None  # the state as unpickled: with the shell, a template to write others by
 
 
 def placement(p: Any) -> Tuple[str, int]:
@@ -128,6 +152,7 @@ def coordinate_of(mesh: Any) -> Optional[Tuple[int, ...]]:
 
 def finish_dtensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
     """The DTensor of ``shell`` and its pickled ``state``; None if the state is not a DTensor's."""
+    pickled = state
     if isinstance(state, tuple) and len(state) == 2:  # (__dict__, __slots__): DTensor keeps its fields in slots
         state = {**(state[0] or {}), **(state[1] or {})}
     if not isinstance(state, dict) or "_local_tensor" not in state or not isinstance(state.get("_spec"), Record):
@@ -136,7 +161,9 @@ def finish_dtensor(shell: WrapperShell, state: Any) -> Optional[DTensorPiece]:
     placements = spec.field("placements", 1)
     if not isinstance(placements, (list, tuple)):
         return None
-    return DTensorPiece(shell, state["_local_tensor"], tuple(placement(p) for p in placements), spec.field("mesh", 0))
+    piece = DTensorPiece(shell, state["_local_tensor"], tuple(placement(p) for p in placements), spec.field("mesh", 0))
+    piece.pickled_state = pickled
+    return piece
 
 
 def _rows_only(metadata: Any) -> bool:
@@ -166,8 +193,27 @@ def finish_sharded_tensor(shell: WrapperShell, state: Any) -> Optional[DTensorPi
         return None
     local = shards[0].field("tensor") if shards and isinstance(shards[0], Record) else None
     piece = DTensorPiece(shell, local, (("shard", 0),), None)
-    piece.coordinate, piece.sharded_tensor = (rank,), True
+    piece.coordinate, piece.sharded_tensor, piece.pickled_state = (rank,), True, state
     props = metadata.field("tensor_properties", 2) if isinstance(metadata, Record) else None
     fields = props.field("state") if isinstance(props, Record) else None  # pickled as a tuple of its fields
     piece.requires_grad = isinstance(fields, tuple) and len(fields) > 2 and fields[2] is True
     return piece
+
+
+@dataclass(frozen=True)
+class TemplateTensor:
+    """A tensor inside a template (a mesh's rank map): its shape and dtype, not its data."""
+
+    shape: Tuple[int, ...]
+    dtype: StoredDType
+    contiguous: bool  # whole storage, offset 0, row-major
+
+
+@dataclass(frozen=True, eq=False)
+class PickledDTensor:
+    """One source DTensor's pickle: ``_rebuild_wrapper_subclass``'s arguments and the DTensor's state
+    (``(dict, slots)``), their torch objects as ``torch_names`` NewObj/Call/Global; ``dtensor_pickle``
+    writes others by it."""
+
+    shell: Tuple[Any, ...]
+    state: Any

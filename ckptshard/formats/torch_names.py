@@ -1,4 +1,8 @@
-"""Stand-ins for the torch names a torch.save pickle refers to, so the C pickler can write them without torch.
+"""torch's names and objects as a torch.save pickle writes them, without torch.
+
+:class:`Global`, :class:`NewObj`, :class:`Call` and :class:`Literal` are
+what the Python pickler of ``torch_save`` writes as torch's classes, calls
+and small tensors. The stand-ins below serve the C pickler:
 
 Python's C pickler writes a class as a GLOBAL only if it can import it from
 its module; torch's own names would import torch, which takes seconds. It writes
@@ -10,9 +14,66 @@ length or offset anywhere that the rename would break.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Tuple
 
 from ..dtypes import STORAGE_CLASSES
+
+
+class Global:
+    """A name written as a pickle GLOBAL, never imported (torch's functions and classes)."""
+
+    _made: ClassVar[Dict[Tuple[str, str], Global]] = {}
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:  # the pickler wants reduce functions callable; never called
+        raise AssertionError(f"{self.module}.{self.name} is a name to write, not to call")
+
+    @classmethod
+    def of(cls, module: str, name: str) -> Global:
+        return cls._made.setdefault((module, name), cls(module, name))
+
+
+class NewObj:
+    """An instance of a torch class, pickled as protocol 2 pickles a plain object: NEWOBJ ``cls(*args)``
+    (``cls.__new__`` only), then BUILD ``state`` unless it is :data:`NO_STATE`."""
+
+    def __init__(self, cls: Global | Call, args: tuple = (), state: Any = None) -> None:
+        self.cls, self.args, self.state = cls, args, state
+
+
+class Call:
+    """A value pickled as REDUCE ``func(*args)``, then BUILD ``state`` unless it is :data:`NO_STATE`."""
+
+    def __init__(self, func: Global, args: tuple, state: Any = None) -> None:
+        self.func, self.args, self.state = func, args, state
+
+
+NO_STATE = None  # NewObj/Call state that writes no BUILD: torch never BUILDs None
+
+
+@dataclass(frozen=True, eq=False)
+class Literal:
+    """A small tensor whose bytes are known when the file is laid out (a device mesh's rank map): written
+    in place, not left as a hole."""
+
+    shape: Tuple[int, ...]
+    dtype: Any  # StoredDType
+    data: bytes
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
 
 TORCH_NAME: Dict[str, Tuple[str, str]] = {}  # stand-in name -> (torch's module, torch's name)
 

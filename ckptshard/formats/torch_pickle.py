@@ -28,19 +28,21 @@ import io
 import pickle
 import struct
 import zipfile
-from typing import Any, BinaryIO, Callable, Dict, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 
 from ..dtypes import ITEMSIZE, STORAGE_CLASSES, Size, StoredDType
 from ..errors import CheckpointError
 from ..layout.boxes import strides
-from ..tensors import DTensorRef, TensorRef
+from ..tensors import DTensorRef, TensorRef, numel
 from ..tree import map_leaves
 from .torch_distributed import (
     DTENSOR_NAMES,
     SHARDED_TENSOR_NAMES,
     DTensorPiece,
     DTensorType,
+    PickledDTensor,
     Record,
+    TemplateTensor,
     WrapperShell,
     finish_dtensor,
     finish_sharded_tensor,
@@ -49,6 +51,7 @@ from .torch_distributed import (
     record_class,
     record_getattr,
 )
+from .torch_names import NO_STATE, Call, Global, NewObj
 from .zip_records import data_start
 
 
@@ -103,7 +106,10 @@ def _rebuild_parameter(data: Any, requires_grad: bool, backward_hooks: Any, stat
 
 
 class _ShardedTensorType:
-    """FSDP1's ``ShardedTensor`` named as a rebuild target."""
+    """FSDP1's ``ShardedTensor`` named as a rebuild target (``module.name``: as the file names it)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
 
 
 def _no_rows(dtype: StoredDType, shape: Tuple[int, ...]) -> _Tensor:
@@ -113,7 +119,7 @@ def _no_rows(dtype: StoredDType, shape: Tuple[int, ...]) -> _Tensor:
 
 def _getattr(owner: Any, name: str) -> Any:
     if isinstance(owner, _ShardedTensorType):
-        owner = record_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+        owner = record_class(owner.module, owner.name)
     found = record_getattr(owner, name)
     if found is None:
         raise Unsupported(f"getattr of {owner!r:.40}")
@@ -166,8 +172,6 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch", "device"): record_class("torch", "device"),
     ("torch.serialization", "_get_layout"): record_class("torch.serialization", "_get_layout"),
 }
-_DTENSOR = DTensorType()
-_SHARDED = _ShardedTensorType()
 _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.items()}
 
 
@@ -185,9 +189,9 @@ class _Unpickler(pickle.Unpickler):
         if found is None and module == "torch":
             found = _STORAGE_TYPES.get(name) or (_BareDType(name) if name in ITEMSIZE else None)
         if found is None and (module, name) in DTENSOR_NAMES:
-            found = _DTENSOR
+            found = DTensorType(module, name)
         if found is None and (module, name) in SHARDED_TENSOR_NAMES:
-            found = _SHARDED
+            found = _ShardedTensorType(module, name)
         if found is None and (module, name) in (("__builtin__", "getattr"), ("builtins", "getattr")):
             found = _getattr  # only of a torch.distributed record: ShardedTensor's nested classes
         if found is None and is_distributed(module):  # a DTensor's spec and mesh: inert records
@@ -215,11 +219,72 @@ class _Unpickler(pickle.Unpickler):
         return storage
 
 
+def _as_written(x: Any, memo: Dict[int, Any]) -> Any:
+    """A DTensor's pickled objects as ``torch_names`` write them (:class:`PickledDTensor`); ``memo``: what one
+    file's pickle shares (its mesh) stays shared."""
+    if id(x) in memo:
+        return memo[id(x)]
+    if isinstance(x, Record):
+        cls = type(x)
+        if x.kwargs:
+            raise Unsupported("a record made with keywords")
+        args = tuple(_as_written(a, memo) for a in x.args)
+        state = NO_STATE if x.pickled_state is None else _as_written(x.pickled_state, memo)
+        out: Any = (Call if x.called else NewObj)(_class_written(cls), args, state)
+    elif isinstance(x, _BareDType):
+        out = Global.of("torch", x.dtype.name)
+    elif isinstance(x, (DTensorType, _ShardedTensorType)):
+        out = Global.of(x.module, x.name)
+    elif isinstance(x, _Tensor):
+        size = numel(x.shape) * x.storage.dtype.itemsize
+        whole = x.offset == 0 and x.stride == strides(x.shape) and x.storage.nbytes == size
+        out = TemplateTensor(x.shape, x.storage.dtype, whole)
+    elif isinstance(x, Size):
+        out = x
+    elif isinstance(x, dict):
+        out = type(x)((k, _as_written(v, memo)) for k, v in x.items())
+    elif isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        out = type(x)(_as_written(v, memo) for v in x)
+    elif x is None or isinstance(x, (bool, int, float, str)):
+        out = x
+    else:
+        raise Unsupported(f"a {type(x).__name__} in a DTensor's pickle")
+    memo[id(x)] = out
+    return out
+
+
+def _class_written(cls: Any) -> Any:
+    """A record class as its pickle names it: a global, or ``getattr(<global>, name)`` for a nested class
+    (ShardedTensor's ProcessGroupState; protocol 2 names getattr ``__builtin__``'s)."""
+    if cls.owner is None:
+        return Global.of(cls.module, cls.name)
+    return Call(Global.of("__builtin__", "getattr"), (Global.of(cls.owner.module, cls.owner.name), cls.name))
+
+
+def _pickled(piece: DTensorPiece, memo: Dict[int, Any]) -> Optional[PickledDTensor]:
+    """The piece's own pickle, to write others by; None where it holds what cannot be written again."""
+    if piece.pickled_state is None:
+        return None
+    try:
+        return PickledDTensor(_as_written(piece.shell.args, memo), _as_written(piece.pickled_state, memo))
+    except Unsupported:
+        return None
+
+
 def to_refs(path: str, obj: Any) -> Any:
+    memo: Dict[int, Any] = {}
+
     def leaf(x: Any) -> Any:
         if isinstance(x, DTensorPiece):
             return DTensorRef(
-                leaf(x.local), x.shape, x.dtype, x.placements, x.coordinate, x.sharded_tensor, x.requires_grad
+                leaf(x.local),
+                x.shape,
+                x.dtype,
+                x.placements,
+                x.coordinate,
+                x.sharded_tensor,
+                x.requires_grad,
+                _pickled(x, memo),
             )
         if isinstance(x, Record):
             raise Unsupported(f"a {x.qualname} outside a DTensor")

@@ -29,12 +29,13 @@ import struct
 import types
 import zlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..dtypes import STORAGE_CLASSES, Size, dtype_name
 from ..layout.boxes import strides
-from ..tensors import Fill
+from ..tensors import DTensorFill, Fill
 from . import torch_names
+from .torch_names import NO_STATE, Call, Global, Literal, NewObj
 from .torch_pickle import Unsupported
 from .zip_records import LOCAL_HEADER, LOCAL_SIG
 
@@ -46,24 +47,8 @@ _CLASS_OF_DTYPE = {dtype: name for name, dtype in STORAGE_CLASSES.items()}
 _FLAGS = 0x0808  # sizes and CRC in a data descriptor; UTF-8 names (as torch's writer)
 
 
-class _Global:
-    """A name written as a pickle GLOBAL, never imported (torch's functions and classes)."""
-
-    _made: ClassVar[Dict[Tuple[str, str], _Global]] = {}
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __call__(self, *args: Any) -> Any:  # the pickler wants reduce functions callable; never called
-        raise AssertionError(f"{self.module}.{self.name} is a name to write, not to call")
-
-    @classmethod
-    def of(cls, module: str, name: str) -> _Global:
-        return cls._made.setdefault((module, name), cls(module, name))
-
-
 class _Storage:
-    def __init__(self, key: str, fill: Fill) -> None:
+    def __init__(self, key: str, fill: Fill | Literal) -> None:
         self.key, self.fill = key, fill
 
 
@@ -77,7 +62,7 @@ def _check_plain(obj: Any) -> None:
         raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
 
 
-def _new_storage(storages: List[_Storage], fill: Fill) -> tuple:
+def _new_storage(storages: List[_Storage], fill: Fill | Literal) -> tuple:
     """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to
     ``storages``."""
     if dtype_name(fill.dtype) not in _CLASS_OF_DTYPE:
@@ -87,19 +72,24 @@ def _new_storage(storages: List[_Storage], fill: Fill) -> tuple:
     return (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict())
 
 
+DTensorWriter = Callable[[Any], Call]  # a DTensorFill as the call torch.save writes for its DTensor
+
+
 class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extended per object
-    def __init__(self, f: Any) -> None:
+    def __init__(self, f: Any, dtensors: Optional[DTensorWriter] = None) -> None:
         super().__init__(f, protocol=2)
         self.storages: List[_Storage] = []  # in key order; they keep the Fills alive while memo ids are in use
+        self.dtensors = dtensors
+        self.made: List[Any] = []  # objects made while pickling, kept alive while their ids are in the memo
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
-            cls = _Global.of("torch", _CLASS_OF_DTYPE[dtype_name(obj.fill.dtype)])
+            cls = Global.of("torch", _CLASS_OF_DTYPE[dtype_name(obj.fill.dtype)])
             return ("storage", cls, obj.key, "cpu", obj.fill.numel)
         return None
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, _Global):
+        if isinstance(obj, Global):
             memo = self.memo.get(id(obj))
             if memo is not None:
                 self.write(self.get(memo[0]))
@@ -108,20 +98,53 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
             self.memoize(obj)
             return
         if _is_size(obj):
-            self.save_reduce(_Global.of("torch", "Size"), (tuple(obj),), obj=obj)
+            self.save_reduce(Global.of("torch", "Size"), (tuple(obj),), obj=obj)
             return
-        if isinstance(obj, Fill):
+        if isinstance(obj, (Fill, Literal)):
             self._save_tensor(obj)
+            return
+        if isinstance(obj, (NewObj, Call)):
+            self._save_object(obj)
+            return
+        if isinstance(obj, DTensorFill):
+            self._save_dtensor(obj)
             return
         _check_plain(obj)
         super().save(obj, save_persistent_id)
 
-    def _save_tensor(self, fill: Fill) -> None:
+    def _save_object(self, obj: NewObj | Call) -> None:
+        memo = self.memo.get(id(obj))
+        if memo is not None:
+            self.write(self.get(memo[0]))
+            return
+        if isinstance(obj, Call):
+            self.save_reduce(obj.func, tuple(obj.args), obj=obj)
+        else:
+            self.save(obj.cls)
+            self.save(tuple(obj.args))
+            self.write(pickle.NEWOBJ)
+            self.memoize(obj)
+        if obj.state is not NO_STATE:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    def _save_dtensor(self, fill: DTensorFill) -> None:
+        memo = self.memo.get(id(fill))
+        if memo is not None:  # a tie: one DTensor under two names
+            self.write(self.get(memo[0]))
+            return
+        if self.dtensors is None:
+            raise Unsupported("a DTensor, with no source DTensor to follow")
+        call = self.dtensors(fill)
+        self.made.append(call)
+        self.save_reduce(call.func, tuple(call.args), obj=fill)
+
+    def _save_tensor(self, fill: Fill | Literal) -> None:
         memo = self.memo.get(id(fill))
         if memo is not None:  # a tie: the same tensor again, as torch.save writes it
             self.write(self.get(memo[0]))
             return
-        self.save_reduce(_Global.of("torch._utils", "_rebuild_tensor_v2"), _new_storage(self.storages, fill), obj=fill)
+        self.save_reduce(Global.of("torch._utils", "_rebuild_tensor_v2"), _new_storage(self.storages, fill), obj=fill)
 
 
 _PLAIN = {
@@ -169,8 +192,14 @@ class _FastPickler(pickle.Pickler):
         return NotImplemented  # pickled as usual (a tie to an earlier object never gets here: the memo has it)
 
 
-def _pickle(tree: Any) -> Tuple[bytes, List[_Storage]]:
-    """torch.save's data.pkl of ``tree``, and its storages in key order."""
+def _pickle(tree: Any, dtensors: Optional[DTensorWriter] = None) -> Tuple[bytes, List[_Storage]]:
+    """torch.save's data.pkl of ``tree``, and its storages in key order. ``dtensors``: how to write its
+    DTensorFills (the C pickler is not asked: it cannot write what they become)."""
+    if dtensors is not None:
+        buf = io.BytesIO()
+        slow = _Pickler(buf, dtensors)
+        slow.dump(tree)
+        return buf.getvalue(), slow.storages
     buf = io.BytesIO()
     fast = _FastPickler(buf)
     fast.dump(tree)
@@ -208,18 +237,19 @@ class Skeleton:
         return at + len(data)
 
 
-def write_zip(f: Any, tree: Any) -> Skeleton:
+def write_zip(f: Any, tree: Any, dtensors: Optional[DTensorWriter] = None) -> Skeleton:
     """torch.save's zip of ``tree`` into the seekable ``f``, seeking over (never writing) tensor data."""
-    skeleton = lay_out_zip(tree)
+    skeleton = lay_out_zip(tree, dtensors)
     for at, data in skeleton.runs:
         f.seek(at)
         f.write(data)
     return skeleton
 
 
-def lay_out_zip(tree: Any) -> Skeleton:
-    """torch.save's zip of ``tree``, every byte but the tensors' data; no I/O."""
-    pkl, storages = _pickle(tree)
+def lay_out_zip(tree: Any, dtensors: Optional[DTensorWriter] = None) -> Skeleton:
+    """torch.save's zip of ``tree``, every byte but the tensors' data; no I/O. ``dtensors`` writes its
+    DTensorFills (``dtensor_pickle.DTensorWriter``); without it they are :class:`Unsupported`."""
+    pkl, storages = _pickle(tree, dtensors)
     small = [
         ("data.pkl", pkl),
         (".format_version", b"1"),
@@ -314,6 +344,9 @@ def lay_out_zip(tree: Any) -> Skeleton:
     for name, data in small:
         record(name, data, len(data))
     for st in storages:
+        if isinstance(st.fill, Literal):  # bytes known now: written with the layout, CRC and all
+            record(f"data/{st.key}", st.fill.data, st.fill.nbytes)
+            continue
         offsets[id(st.fill)] = record(f"data/{st.key}", b"", st.fill.nbytes)
         if st.fill.nbytes:
             holes.append((offsets[id(st.fill)], st.fill.nbytes, len(central) - 1))

@@ -23,14 +23,18 @@ from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whol
 def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
     kind, dim = first.placements[0]
     if kind == "replicate":
-        return DTensorFill(full, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad)
+        return DTensorFill(
+            full, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad, first.pickled
+        )
     sizes = chunk_sizes(first.shape[dim], world)
     start = sum(sizes[:rank])
     sources = []
     for whole_at, piece_at, length in row_runs(first.shape, dim, start, sizes[rank]):
         sources.extend(sources_in(full, whole_at, whole_at + length, piece_at))
     local = Fill(local_shape(first.shape, dim, sizes[rank]), first.dtype, tuple(sources))
-    return DTensorFill(local, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad)
+    return DTensorFill(
+        local, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad, first.pickled
+    )
 
 
 Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled once for every output rank

@@ -345,6 +345,7 @@ def _fsdp1_compare_worker(rank: int, world: int, a: str, b: str) -> None:
             assert torch.equal(g, w), (name, k)
             continue
         assert g.metadata() == w.metadata(), (name, k, g.metadata(), w.metadata())
+        assert g.sharding_spec() == w.sharding_spec(), (name, k, g.sharding_spec(), w.sharding_spec())
         gs, ws = g.local_shards(), w.local_shards()
         assert [s.metadata for s in gs] == [s.metadata for s in ws], (name, k)
         assert all(torch.equal(x.tensor, y.tensor) for x, y in zip(gs, ws)), (name, k)
@@ -352,7 +353,8 @@ def _fsdp1_compare_worker(rank: int, world: int, a: str, b: str) -> None:
 
 def fsdp1_same_models(a: str, b: str, world: int) -> None:
     """Each rank's SHARDED_STATE_DICT file of folders ``a`` and ``b`` loaded under a process group of
-    ``world`` (ShardedTensors load nowhere else): same names, metadata and local shards, or an error."""
+    ``world`` (ShardedTensors load nowhere else): same names, metadata, sharding spec and local shards, or
+    an error."""
     run_world(_fsdp1_compare_worker, world, a, b)
 
 
@@ -370,3 +372,40 @@ def _fsdp1_step_worker(rank: int, world: int, folder: str, out: str, bf16: bool)
 def fsdp1_step_from(folder: str, out: str, world: int, bf16: bool = False) -> None:
     """Resume FSDP1 per-rank files at ``world`` as verl does, one more step; the full state after it."""
     run_world(_fsdp1_step_worker, world, folder, out, bf16)
+
+
+def assert_same_state(got: Any, want: Any, where: str = "") -> None:
+    """``got`` equals ``want`` as FSDP saves them: tensors ``torch.equal``; a DTensor's local tensor, shape,
+    stride, placements and spec too, and every field of its pickled DeviceMesh (its rank, coordinate, rank
+    map, layout...), not only the mesh's ``==``; ``_hash`` aside (a hash of process-local strings,
+    computed again on use)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(want, DTensor):
+        assert isinstance(got, DTensor), where
+        assert torch.equal(got.to_local(), want.to_local()), where
+        assert got.to_local().dtype == want.to_local().dtype and got.requires_grad == want.requires_grad, where
+        assert (got.shape, got.stride(), got.placements) == (want.shape, want.stride(), want.placements), where
+        assert got._spec.tensor_meta == want._spec.tensor_meta, where
+        g, w = vars(got.device_mesh), vars(want.device_mesh)
+        assert set(g) == set(w), (where, set(g) ^ set(w))
+        for k in w:
+            if k != "_hash":
+                same = (
+                    torch.equal(g[k], w[k]) and g[k].dtype == w[k].dtype
+                    if isinstance(w[k], torch.Tensor)
+                    else g[k] == w[k]
+                )
+                assert same, (where, k, g[k], w[k])
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for k in want:
+            assert_same_state(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_state(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, where

@@ -11,6 +11,7 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..dtypes import Size, StoredDType, to_torch
+from ..formats.dtensor_pickle import DTensorWriter, MeshPlace
 from ..formats.torch_pickle import Unsupported
 from ..formats.torch_save import Skeleton, lay_out_zip
 from ..osio.atomic import open_empty, preallocate
@@ -21,7 +22,7 @@ from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
 from ..tensors import DTensorFill, DTensorRef, Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
-from .dtensor_mesh import dtensor_of, sharded_tensor_of
+from .dtensor_mesh import dtensor_of, fake_mesh, sharded_tensor_of
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +97,7 @@ def write_torch(
     progress: Optional[Progress] = None,
     trust_pickles: bool = False,
     hashes: Optional[Hashes] = None,
-    mesh: Any = None,
+    place: Optional[MeshPlace] = None,
 ) -> None:
     """``torch.save`` of ``tree`` with every Fill leaf written as a tensor.
 
@@ -108,15 +109,18 @@ def write_torch(
     CRCs: the file is final once ``hashes.settled(path)`` returns. A small
     file of many small runs is put together in memory instead
     (:func:`_in_memory`): the same bytes, written at once. DTensorFills
-    become DTensors over ``mesh`` (``dtensor_mesh.fake_mesh``), laid out by torch.
+    become DTensors on rank ``place.rank`` of a 1-D mesh of ``place.world``:
+    their source's pickles rewritten (``formats/dtensor_pickle``), or, where
+    that does not know the pickle, torch's over a fake mesh (``dtensor_mesh``).
     """
     fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
     deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
+    dtensors = DTensorWriter(place) if place is not None else None
     # Read without torch: write without it too. torch before 2.5 cannot lay out a file without its data.
     if all(isinstance(f.dtype, StoredDType) for f in fills) or not torch_skips_data():
         try:
-            skeleton = lay_out_zip(tree)
+            skeleton = lay_out_zip(tree, dtensors)
         except Unsupported:
             skeleton = None
         if skeleton is not None and _in_memory(skeleton, fills):
@@ -124,10 +128,10 @@ def write_torch(
             return
         if skeleton is not None:
             write_laid_out(path, skeleton)
-            targets = {id(f): (skeleton.offsets[id(f)], f) for f in fills}
+            targets = {id(f): (skeleton.offsets[id(f)], f) for f in fills if _laid_out(skeleton, f)}
             deferred = skeleton.crcs
     if targets is None:
-        targets = _torch_skeleton(path, tree, trust_pickles, mesh)
+        targets = _torch_skeleton(path, tree, trust_pickles, place)
     order = sorted(targets.values(), key=lambda t: t[0])
     if hashes is not None and deferred is None:  # torch laid it out: read its zip to learn where the CRCs go
         deferred = deferred_crcs(path, [o for o, f in order if f.nbytes])
@@ -192,6 +196,8 @@ def _write_torch_in_memory(
         for at, data in skeleton.runs:
             view[at : at + len(data)] = data
         for fill in fills:
+            if not _laid_out(skeleton, fill):
+                continue
             at = skeleton.offsets[id(fill)]
             copier.fill_memory(view[at : at + fill.nbytes], fill)
             if progress:
@@ -218,8 +224,30 @@ def torch_skips_data() -> bool:
     return hasattr(torch.serialization, "skip_data")
 
 
-def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None) -> Dict[int, Tuple[int, Fill]]:
-    """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id."""
+def _laid_out(skeleton: Skeleton, fill: Fill) -> bool:
+    """Whether ``fill`` has a place in the file: a ShardedTensor past the last chunk pickles no shard."""
+    if id(fill) in skeleton.offsets:
+        return True
+    if fill.nbytes:
+        raise AssertionError("a tensor with data left out of the file's layout")
+    return False
+
+
+def _torch_skeleton(
+    path: str, tree: Any, trust_pickles: bool, place: Optional[MeshPlace] = None
+) -> Dict[int, Tuple[int, Fill]]:
+    """torch.save's own layout of ``tree`` (placeholders under skip_data); each Fill's data offset, by id.
+    DTensorFills become DTensors (ShardedTensors) of a fake mesh at ``place``."""
+    kinds = {x.sharded_tensor for _, x in leaves(tree) if isinstance(x, DTensorFill)}
+    if not kinds:
+        return _torch_layout(path, tree, trust_pickles, None)
+    if place is None:
+        raise AssertionError("a DTensorFill needs a place in a mesh")
+    with fake_mesh(place.world, place.rank, dtensors=False in kinds) as mesh:
+        return _torch_layout(path, tree, trust_pickles, mesh)
+
+
+def _torch_layout(path: str, tree: Any, trust_pickles: bool, mesh: Any) -> Dict[int, Tuple[int, Fill]]:
     import torch
 
     fakes: Dict[int, torch.Tensor] = {}
@@ -232,8 +260,6 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None)
         if isinstance(leaf, Size):
             return torch.Size(leaf)
         if isinstance(leaf, DTensorFill):
-            if mesh is None:
-                raise AssertionError("a DTensorFill needs a mesh")
             dtensors = True
             if id(leaf) not in fakes:
                 local = placeholder(leaf.local.shape, leaf.local.dtype)
@@ -249,11 +275,14 @@ def _torch_skeleton(path: str, tree: Any, trust_pickles: bool, mesh: Any = None)
         return fakes[id(leaf)]
 
     skeleton = map_leaves(tree, to_fake)
+    # skip_data would leave every storage unwritten, a DeviceMesh's own rank tensor too: with DTensors torch
+    # writes them all, the placeholders' (untouched, so unallocated) zeros filled over next, as before torch 2.5.
+    meshes = any(isinstance(x, DTensorFill) and not x.sharded_tensor for _, x in leaves(tree))
     with open(path, "wb") as f:
-        if torch_skips_data():
+        if torch_skips_data() and not meshes:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
                 torch.save(skeleton, f)
-        else:  # torch before 2.5 writes the placeholders' (untouched, so unallocated) zeros, filled over next
+        else:
             torch.save(skeleton, f)
     del skeleton
     fakes.clear()

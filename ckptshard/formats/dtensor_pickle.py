@@ -1,0 +1,298 @@
+"""FSDP2's DTensors pickled without torch, the source files' own DTensor pickles as the template.
+
+A DTensor's pickle (see ``torch_distributed``) holds its spec and DeviceMesh:
+private classes whose fields change between torch releases. Importing torch
+to build a mesh of N ranks and let torch pickle it costs seconds on every
+reshard. Instead the reader keeps each source DTensor's pickle
+(``torch_distributed.PickledDTensor``, written by the torch that trained), and
+:class:`DTensorWriter` writes it again with what depends on the world size,
+the rank and the tensor changed: the local tensor, the global shape and
+stride, the dtype, and the mesh's rank fields.
+
+A field is rewritten only if it is known to depend on nothing but those
+(:data:`MESH_FIELDS`, :data:`SPEC_FIELDS`). Any other field, a mesh of more
+than one dimension, or a layout not seen is :class:`Unsupported`, and the
+writer lets torch pickle the file instead (``write/dtensor_mesh``).
+The ``_hash`` fields are written as None: torch computes them again on first
+use (they hash process-local strings, so a saved value is stale anyway).
+No I/O and no torch here.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Tuple
+
+from ..dtypes import Size, dtype_name
+from ..layout.boxes import strides
+from ..layout.dim_shards import chunk_sizes
+from .torch_distributed import PickledDTensor, TemplateTensor
+from .torch_names import NO_STATE, Call, Global, Literal, NewObj
+from .torch_pickle import Unsupported
+
+REBUILD_FROM_TYPE = Global.of("torch._tensor", "_rebuild_from_type_v2")
+REBUILD_WRAPPER = Global.of("torch._utils", "_rebuild_wrapper_subclass")
+
+
+@dataclass(frozen=True)
+class MeshPlace:
+    """Rank ``rank`` of a 1-D device mesh of ``world`` ranks: where an output file's DTensors live."""
+
+    world: int
+    rank: int
+
+
+def _keep(value: Any, place: MeshPlace, world: int) -> Any:
+    return value
+
+
+def _rank(value: Any, place: MeshPlace, world: int) -> Any:
+    _require(isinstance(value, int) and 0 <= value < world, "_rank")
+    return place.rank
+
+
+def _coordinate(value: Any, place: MeshPlace, world: int) -> Any:
+    _require(isinstance(value, (tuple, list)) and len(value) == 1, "_coordinate_on_dim (a 1-D mesh)")
+    return type(value)([place.rank])
+
+
+def _flat_ranks(value: Any, place: MeshPlace, world: int) -> Any:
+    _require(isinstance(value, (tuple, list)) and list(value) == list(range(world)), "_flatten_rank_map")
+    return type(value)(range(place.world))
+
+
+def _rank_tensor(value: Any, place: MeshPlace, world: int) -> Any:
+    codes = {"int32": "i", "int64": "q"}
+    _require(
+        isinstance(value, TemplateTensor)
+        and value.contiguous
+        and value.shape == (world,)
+        and value.dtype.name in codes,
+        "the mesh's rank tensor",
+    )
+    data = struct.pack(f"<{place.world}{codes[value.dtype.name]}", *range(place.world))
+    return Literal((place.world,), value.dtype, data)
+
+
+def _flat_layout(world: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """A 1-D mesh's ``_FlatLayout`` (shape, stride): torch drops a mode of size 1, so one rank has none."""
+    return ((world,), (1,)) if world > 1 else ((), ())
+
+
+def _layout(value: Any, place: MeshPlace, world: int) -> Any:
+    """``_MeshLayout(axes=(_FlatLayout(shape=(M,), stride=(1,)),))``, resized to N."""
+    _require(isinstance(value, NewObj) and not value.args and isinstance(value.state, dict), "_layout")
+    state: Dict[str, Any] = {}
+    keys = set(value.state)
+    if keys == {"axes"}:
+        axes = value.state["axes"]
+        _require(isinstance(axes, (tuple, list)) and len(axes) == 1, "_layout axes (a 1-D mesh)")
+        state["axes"] = type(axes)(_layout(a, place, world) for a in axes)
+    elif keys == {"shape", "stride"}:
+        shape, stride = value.state["shape"], value.state["stride"]
+        _require((tuple(shape), tuple(stride)) == _flat_layout(world), "_layout shape")
+        new_shape, new_stride = _flat_layout(place.world)
+        state.update(shape=type(shape)(new_shape), stride=type(stride)(new_stride))
+    else:
+        raise Unsupported(f"_layout fields {sorted(keys)}")
+    return NewObj(value.cls, (), state)
+
+
+def _none(value: Any, place: MeshPlace, world: int) -> Any:
+    return None
+
+
+def _when(ok: Callable[[Any], bool], what: str) -> Callable[[Any, MeshPlace, int], Any]:
+    def keep(value: Any, place: MeshPlace, world: int) -> Any:
+        _require(ok(value), what)
+        return value
+
+    return keep
+
+
+# DeviceMesh fields (torch 2.9-2.15 pickle its __dict__) and how each follows the rank and world size.
+MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
+    "_device_type": _keep,
+    "_thread_id": _keep,
+    "_mesh_dim_names": _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names"),
+    "_root_mesh": _when(lambda v: v is None, "_root_mesh (a mesh sliced from another)"),
+    "_flatten_mapping": _when(lambda v: v == {}, "_flatten_mapping"),
+    "_dim_group_names": _when(lambda v: isinstance(v, list) and len(v) == 1, "_dim_group_names (a 1-D mesh)"),
+    "_rank": _rank,
+    "_coordinate_on_dim": _coordinate,
+    "_flatten_rank_map": _flat_ranks,
+    "_rank_map": _rank_tensor,
+    "_layout": _layout,
+    "_hash": _none,
+}
+# DTensorSpec fields besides mesh and tensor_meta: they follow the placements, which resharding keeps.
+SPEC_FIELDS = {"placements", "shard_order", "use_strided_shard_as_shard_order"}
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise Unsupported(f"a DeviceMesh with another {what} than a 1-D mesh over all ranks")
+
+
+def _mesh_world(state: Dict[str, Any]) -> int:
+    ranks = state.get("_flatten_rank_map")
+    _require(isinstance(ranks, (tuple, list)) and len(ranks) > 0, "_flatten_rank_map")
+    return len(ranks)
+
+
+class DTensorWriter:
+    """The call torch.save writes for each DTensorFill of one output file, at ``place``.
+
+    One per file: the mesh is made once and every DTensor of the file
+    refers to it, as every parameter of an FSDP2 model refers to one mesh.
+    """
+
+    def __init__(self, place: MeshPlace) -> None:
+        self.place = place
+        self._meshes: Dict[int, NewObj] = {}
+
+    def __call__(self, fill: Any) -> Call:
+        template = fill.pickled
+        if not isinstance(template, PickledDTensor):
+            raise Unsupported("no source DTensor pickle to follow")
+        if fill.sharded_tensor:
+            return self._sharded_tensor(fill, template)
+        shell, state = template.shell, template.state
+        if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
+            raise Unsupported("a DTensor state other than (dict, slots)")
+        if len(shell) < 4 or not isinstance(shell[0], Global):
+            raise Unsupported("a wrapper subclass call of another shape")
+        shape = tuple(fill.shape)
+        stride = strides(shape)
+        dtype = Global.of("torch", dtype_name(fill.local.dtype))
+        slots = dict(state[1])
+        spec = slots.get("_spec")
+        if not isinstance(spec, NewObj) or not isinstance(spec.state, dict) or spec.args:
+            raise Unsupported("a DTensorSpec of another shape")
+        slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype))
+        slots["_local_tensor"] = fill.local
+        args = (shell[0], dtype, shape, stride, *shell[4:])
+        return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, shell[0], args, (state[0], slots)))
+
+    def _spec_state(self, spec: Dict[str, Any], shape: Tuple[int, ...], stride: Tuple[int, ...], dtype: Global) -> Any:
+        out: Dict[str, Any] = {}
+        for key, value in spec.items():
+            if key == "mesh":
+                out[key] = self._mesh(value)
+            elif key == "tensor_meta":
+                if not (isinstance(value, NewObj) and len(value.args) == 3 and value.state is NO_STATE):
+                    raise Unsupported("a TensorMeta of another shape")
+                size = value.args[0]
+                out[key] = NewObj(value.cls, (type(size)(shape), stride, dtype), NO_STATE)
+            elif key == "_hash":
+                out[key] = None
+            elif key in SPEC_FIELDS:
+                out[key] = value
+            else:
+                raise Unsupported(f"DTensorSpec field {key}")
+        if "mesh" not in out or "tensor_meta" not in out:
+            raise Unsupported("a DTensorSpec without its mesh or tensor_meta")
+        return out
+
+    def _mesh(self, mesh: Any) -> NewObj:
+        made = self._meshes.get(id(mesh))
+        if made is not None:
+            return made
+        if not (isinstance(mesh, NewObj) and not mesh.args and isinstance(mesh.state, dict)):
+            raise Unsupported("a DeviceMesh of another shape")
+        world = _mesh_world(mesh.state)
+        state = {}
+        for key, value in mesh.state.items():
+            rule = MESH_FIELDS.get(key)
+            if rule is None:
+                raise Unsupported(f"DeviceMesh field {key}")
+            state[key] = rule(value, self.place, world)
+        self._meshes[id(mesh)] = made = NewObj(mesh.cls, (), state)
+        return made
+
+    def _sharded_tensor(self, fill: Any, template: PickledDTensor) -> Call:
+        """FSDP1's ShardedTensor of this rank's dim-0 chunk: its state ``(local shards, metadata, process
+        group state, sharding spec, init_rrefs)`` built from the template's objects."""
+        state = template.state
+        shape = tuple(fill.shape)
+        if not (isinstance(state, tuple) and len(state) == 5 and shape and not fill.requires_grad):
+            raise Unsupported("a ShardedTensor of another shape (or whose shard requires grad)")
+        parts = _ShardedParts(template)
+        rank, world = self.place.rank, self.place.world
+        rows = [n for n in chunk_sizes(shape[0], world) if n]  # torch.chunk's chunks: ranks past them hold none
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        rest = list(shape[1:])
+        zeros = [0] * len(rest)
+        shards = [parts.shard_metadata([at, *zeros], [n, *rest], i) for i, (at, n) in enumerate(zip(starts, rows))]
+        local = []
+        if rank < len(rows):
+            mine = parts.shard_metadata([starts[rank], *zeros], [rows[rank], *rest], rank)
+            local = [NewObj(parts.shard.cls, (), (None, {"tensor": fill.local, "metadata": mine}))]
+        dtype = Global.of("torch", dtype_name(fill.local.dtype))
+        props = NewObj(parts.properties.cls, (), (dtype, *parts.properties.state[1:]))
+        meta = NewObj(parts.meta.cls, (), {"shards_metadata": shards, "size": Size(shape), "tensor_properties": props})
+        pg = NewObj(parts.pg.cls, (), dict.fromkeys(PG_FIELDS[:2], rank) | dict.fromkeys(PG_FIELDS[2:], world))
+        if _chunked(rows) != parts.chunked:
+            raise Unsupported("a ShardedTensor whose sharding spec changes kind")
+        if parts.chunked:
+            spec = NewObj(parts.spec.cls, (), {"dim": 0, "placements": [s.state[1]["placement"] for s in shards]})
+        else:
+            spec = NewObj(parts.spec.cls, (), {"shards": shards})
+        args = (template.shell[0], dtype, shape, strides(shape), *template.shell[4:])
+        return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, template.shell[0], args, (local, meta, pg, spec, state[4])))
+
+
+PG_FIELDS = ("local_rank", "global_rank", "local_world_size", "global_world_size")  # ShardedTensor.ProcessGroupState
+
+
+def _obj(x: Any, keys: Any, slots: bool = False) -> NewObj:
+    """``x`` as a NewObj whose state (a dict, or ``(None, dict)`` for a slotted dataclass) has ``keys``."""
+    state = x.state if isinstance(x, NewObj) else None
+    if slots:
+        state = state[1] if isinstance(state, tuple) and len(state) == 2 and state[0] is None else None
+    if not (isinstance(state, dict) and set(state) == set(keys) and not x.args):
+        raise Unsupported(f"a ShardedTensor part of another shape than {sorted(keys)}")
+    return x
+
+
+class _ShardedParts:
+    """The objects of a template ShardedTensor, checked: their classes are what a new one is made of."""
+
+    def __init__(self, template: PickledDTensor) -> None:
+        shards, meta, pg, spec, _ = template.state
+        if not (isinstance(shards, list) and len(shards) == 1):
+            raise Unsupported("a template ShardedTensor without its local shard")
+        self.shard = _obj(shards[0], ("tensor", "metadata"), slots=True)
+        self.meta = _obj(meta, ("shards_metadata", "size", "tensor_properties"))
+        listed = self.meta.state["shards_metadata"]
+        if not isinstance(listed, list) or not listed:
+            raise Unsupported("a ShardedTensor without shards metadata")
+        self.shard_meta = _obj(listed[0], ("shard_offsets", "shard_sizes", "placement"), slots=True)
+        self.device = _obj(self.shard_meta.state[1]["placement"], ("_worker_name", "_rank", "_device"))
+        self.properties = self.meta.state["tensor_properties"]
+        if not (isinstance(self.properties, NewObj) and isinstance(self.properties.state, tuple)):
+            raise Unsupported("TensorProperties of another shape")
+        if len(self.properties.state) != 5:
+            raise Unsupported("TensorProperties of another shape")
+        self.pg = _obj(pg, PG_FIELDS)
+        self.chunked = isinstance(spec, NewObj) and isinstance(spec.state, dict) and "placements" in spec.state
+        self.spec = _obj(spec, ("dim", "placements") if self.chunked else ("shards",))
+        if self.chunked and spec.state["dim"] != 0:
+            raise Unsupported("a ShardedTensor chunked along another dimension")
+
+    def shard_metadata(self, offsets: List[int], sizes: List[int], rank: int) -> NewObj:
+        device = NewObj(self.device.cls, (), {**self.device.state, "_rank": rank})
+        fields = {"shard_offsets": offsets, "shard_sizes": sizes, "placement": device}
+        return NewObj(self.shard_meta.cls, (), (None, fields))
+
+
+def _chunked(rows: List[int]) -> bool:
+    """Whether torch infers a ChunkShardingSpec (not an enumerable one) for dim-0 shards of ``rows``: more
+    than one shard, cut as ``torch.chunk`` cuts their total into as many pieces."""
+    if len(rows) < 2:
+        return False  # every offset zero: torch cannot tell a chunked dimension
+    total = sum(rows)
+    split = -(-total // len(rows))
+    expected = [max(min(total, split * (i + 1)) - split * i, 0) for i in range(len(rows))]
+    return sorted(rows) == sorted(expected)
