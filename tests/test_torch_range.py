@@ -210,7 +210,7 @@ def test_fsdp2_files_reshard_with_this_torch(tmp_path):
     for name, entry in optim["state"].items():
         _equal(back["state"][name], entry)
     try:
-        import torch.distributed.tensor
+        from torch.distributed.tensor import DTensor  # noqa: F401
     except ImportError:
         return  # torch before 2.5: no DTensor to load the files with
     names = list(optim["state"])  # FSDP2's full optimizer state: by name, in parameter order
