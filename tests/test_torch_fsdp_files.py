@@ -262,11 +262,21 @@ def test_fsdp1_optimizer_files_that_do_not_add_up_are_refused(fsdp1_runs, flat_p
     _assert_equal(_load(tmp_path / "w.pt"), _load(flat_params_run / "ref" / "full_model.pt"), "model")
 
 
+def _local_with_optim(run, folder):
+    """The run's LOCAL_STATE_DICT model files beside its raw optimizer files (``optimizer.state_dict()`` is
+    the same whatever state dict type the model is saved under)."""
+    shutil.copytree(run / "local", folder)
+    for f in run.glob("optim_world_size_*.pt"):
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
 @pytest.mark.parametrize("w, bf16, orig", [(2, False, True), (3, False, True), (3, True, True), (3, False, False)])
 def test_fsdp1_local_state_dict_consolidates_with_like(cache_root, flat_params_run, w, bf16, orig, tmp_path):
     """LOCAL_STATE_DICT: each unit's flat parameter (and, under use_orig_params, each parameter's 1-D slice on
     the rank); --like, the model's full state dict, says what they hold. Without use_orig_params the
-    parameters are cut from the flat parameters, the tied output layer found once in the root's."""
+    parameters are cut from the flat parameters, the tied output layer found once in the root's, and so
+    are the optimizer's moments, one flat tensor per unit and rank."""
     from safetensors.torch import save_file
 
     src = _fsdp1_run(cache_root, w, bf16) if orig else flat_params_run
@@ -277,20 +287,25 @@ def test_fsdp1_local_state_dict_consolidates_with_like(cache_root, flat_params_r
     else:  # cutting flat parameters needs the model's order, which torch.save keeps
         like = tmp_path / "like.pt"
         torch.save(want, like)
-    ckptshard.consolidate(str(src / "local"), str(tmp_path / "full.pt"), like=str(like), progress=False)
+    local = _local_with_optim(src, tmp_path / "local")
+    ckptshard.consolidate(str(local), str(tmp_path / "full.pt"), like=str(like), optimizer=True, progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), want, "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), _load(src / "ref" / "full_optim.pt"), "optim")
 
 
 def test_fsdp1_local_state_dict_converts_with_like_to_a_dcp(flat_params_run, tmp_path):
+    """Without use_orig_params, model and optimizer: FSDP2 at 2 loads the DCP to the full state."""
     like = flat_params_run / "ref" / "full_model.pt"
     out = tmp_path / "dcp"
-    ckptshard.convert(str(flat_params_run / "local"), str(out), "dcp", like=str(like), progress=False)
-    import torch.distributed.checkpoint as dcp
-
-    want = _load(like)
-    got = {"model": {k: torch.zeros_like(v) for k, v in want.items()}}
-    dcp.load(got, storage_reader=dcp.FileSystemReader(str(out)))
-    _assert_equal(got["model"], want, "model")
+    local = _local_with_optim(flat_params_run, tmp_path / "local")
+    ckptshard.convert(str(local), str(out), "dcp", like=str(like), progress=False)
+    torch_fsdp_runs.load_dcp(str(out), str(tmp_path / "full.pt"), 2)
+    full = _load(tmp_path / "full.pt")
+    _assert_equal(full["model"], _load(like), "model")
+    want = _load(flat_params_run / "ref" / "full_optim.pt")
+    got = full["optim"]["state"]  # FSDP2's order of names and of each one's keys aside
+    full["optim"]["state"] = {k: {m: got[k][m] for m in want["state"][k]} for k in want["state"]}
+    _assert_equal(full["optim"], want, "optim")
     with pytest.raises(CheckpointError, match="--like with --to dcp is for FSDP1 LOCAL_STATE_DICT files"):
         ckptshard.convert(str(flat_params_run), str(tmp_path / "d2"), "dcp", like=str(like), progress=False)
 
@@ -467,7 +482,14 @@ def test_reshard_from_world_size_1(no_shard_run, tmp_path):
 
 @pytest.mark.parametrize(
     "m, bf16, orig, n",
-    [(3, False, True, 2), (2, False, True, 3), (3, True, True, 4), (3, False, False, 2), (2, False, True, 1)],
+    [
+        (3, False, True, 2),
+        (2, False, True, 3),
+        (3, True, True, 4),
+        (3, False, False, 2),
+        (3, False, False, 4),
+        (2, False, True, 1),
+    ],
 )
 def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
     cache_root, flat_params_run, m, bf16, orig, n, tmp_path
@@ -476,14 +498,34 @@ def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
     use_orig_params, each parameter's slice, as FSDP1 at N holds them after loading the full state."""
     src = _fsdp1_run(cache_root, m, bf16) if orig else flat_params_run
     like = str(src / "ref" / "full_model.pt")
-    ckptshard.reshard(str(src / "local"), str(tmp_path / "ours"), n, like=like, progress=False)
+    local = _local_with_optim(src, tmp_path / "local")
+    ckptshard.reshard(str(local), str(tmp_path / "ours"), n, like=like, progress=False)
     torch_fsdp_runs.fsdp1_local_at(str(src / "ref"), str(tmp_path / "torch"), n, bf16, orig)
     torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "ours"), str(tmp_path / "torch"), n)
+    for r in range(n):  # the raw optimizer state FSDP1 at N holds after loading the full one
+        name = f"optim_world_size_{n}_rank_{r}.pt"
+        got, want = _load(tmp_path / "ours" / name), _load(tmp_path / "torch" / name)
+        if not orig:  # loading flat parameters' state, FSDP1 orders each entry's keys as a set: at random
+            assert {p: set(e) for p, e in got["state"].items()} == {p: set(e) for p, e in want["state"].items()}
+            want["state"] = {pid: {k: entry[k] for k in got["state"][pid]} for pid, entry in want["state"].items()}
+        _assert_equal(got, want, name)
     assert ckptshard.verify(str(tmp_path / "ours")) == []  # without --like: the manifest and the pieces
     assert ckptshard.inspect_checkpoint(str(tmp_path / "ours"))["local_state_dict"] == (n > 1)
     at_n = like if n > 1 else None  # at one rank (NO_SHARD) the files hold the plain tensors
     ckptshard.consolidate(str(tmp_path / "ours"), str(tmp_path / "full.pt"), like=at_n, progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
+
+
+def test_fsdp1_local_state_dict_optimizer_of_other_files_is_refused(cache_root, flat_params_run, tmp_path):
+    like = str(flat_params_run / "ref" / "full_model.pt")
+    local = _local_with_optim(flat_params_run, tmp_path / "local")
+    with pytest.raises(CheckpointError, match="keeps flat parameters without use_orig_params"):
+        ckptshard.reshard(str(local), str(tmp_path / "one"), 1, like=like, progress=False)
+    for f in _fsdp1_run(cache_root, 3, False).glob("optim_world_size_*.pt"):  # use_orig_params: per parameter
+        shutil.copy(f, local / f.name)
+    with pytest.raises(CheckpointError, match="the optimizer holds 15 parameters and the files 3 flat parameters"):
+        ckptshard.consolidate(str(local), str(tmp_path / "full.pt"), like=like, optimizer=True, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]
 
 
 def test_fsdp1_local_state_dict_reshard_needs_like_and_the_same_model(cache_root, runs, tmp_path):

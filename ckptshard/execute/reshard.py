@@ -401,10 +401,14 @@ def reshard_ranks(
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     with_optim = optimizer and ranks.optims is not None
     wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
-    fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" else None
-
     no_shard = ranks.kind == "fsdp1" and world == 1  # FSDP1 at one rank: plain tensors, no mesh, no torch
     local = LocalReshard(ranks, world) if ranks.local is not None and not no_shard else None
+    if with_optim and ranks.local is not None and no_shard and not ranks.local.orig_params:
+        raise CheckpointError(
+            f"{ranks.files.folder}: FSDP1 at one rank keeps flat parameters without use_orig_params; resharding "
+            "their optimizer state to one rank is not supported: reshard with --no-optimizer, or convert --to dcp"
+        )
+    fsdp1 = Fsdp1Optimizer(ranks, world) if with_optim and ranks.kind == "fsdp1" and local is None else None
 
     def rank_trees(r: int) -> Dict[str, Any]:
         if no_shard:  # every tensor whole
@@ -415,6 +419,8 @@ def reshard_ranks(
             trees = {"model": resharded_model(ranks, world, r, wholes)}
         if fsdp1 is not None:
             trees["optim"] = fsdp1.rank(r)
+        elif local is not None and with_optim:
+            trees["optim"] = local.optimizer(r)
         elif with_optim:
             trees["optim"] = resharded_optimizer(ranks, world, r, wholes)
         return trees

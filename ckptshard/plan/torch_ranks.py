@@ -244,6 +244,36 @@ class LocalReshard:
                 out[name] = self.full[name] if isinstance(v, TensorRef) else v
         return {name: out[name] for name in self.ranks.models[0]}
 
+    def optimizer(self, rank: int) -> Dict[str, Any]:
+        """Rank ``rank``'s raw ``optimizer.state_dict()`` beside these files at N.
+
+        Under ``use_orig_params`` each parameter's moments are cut as its slice of the flat parameter at N
+        (a rank holding none of it has no entry), as for SHARDED_STATE_DICT files. Without it, each flat
+        parameter's moments are the flat parameter's size padded to a multiple of N, this rank's shard of
+        them: the source's elements, the padding zero (elements no source covers are written as zeros).
+        """
+        ranks, local = self.ranks, self.ranks.local
+        assert ranks.optims is not None and local is not None
+        state: Dict[Any, Dict[str, Any]] = {}
+        if local.orig_params:
+            at_n = {n: s for unit in self.layouts.values() for n, s in zip(unit.names, unit.at_n or ())}
+            for pid, name in ranks.optimizer_ids():
+                entry = ranks.fsdp1_entry(pid, name)
+                if entry is not None and rank in at_n[name]:
+                    start, count = at_n[name][rank]
+                    state[pid] = {k: Fsdp1Optimizer._slice(v, start, count) for k, v in entry.items()}
+            return _optimizer_file(ranks.optims[0], state)
+        for pid, key in ranks.optimizer_ids():
+            unit = self.layouts[flat_prefix(key)]  # type: ignore[index]
+            shard = -(-unit.total // self.world)
+            start = shard * rank
+            stop = min(start + shard, unit.total)
+            state[pid] = {
+                k: Fill((shard,), v.dtype, sources_in(v, start, stop)) if isinstance(v, Fill) and v.shape else v
+                for k, v in ranks.flat_moments(pid, key).items()
+            }
+        return _optimizer_file(ranks.optims[0], state)
+
 
 def _padding_at(offsets: List[int], numels: List[int], size: int) -> Optional[int]:
     """An element of a flat parameter of ``size`` that no parameter covers, if any."""

@@ -298,15 +298,13 @@ class TorchRanks:
         return out
 
     def optimizer_ids(self) -> List[Tuple[int, str]]:
-        """(optimizer id, parameter name) in param_groups order, checked against each moment's shape."""
-        if self.flat is not None:
-            raise CheckpointError(
-                f"{(self.files.optim or self.files.model)[0]}: the optimizer state beside an FSDP1 "
-                "LOCAL_STATE_DICT is not read by ckptshard (its weights are: consolidate without --optimizer, "
-                "reshard with --no-optimizer)"
-            )
+        """(optimizer id, parameter name) in param_groups order, checked against each moment's shape. Beside
+        LOCAL_STATE_DICT files without ``use_orig_params`` the optimizer's parameters are the units' flat
+        parameters: (id, flat parameter's name)."""
         if self.optims is None:
             raise CheckpointError(f"{self.files.folder}: no optimizer files (optim_world_size_*_rank_*.pt)")
+        if self.flat is not None:
+            return self._local_ids()
         if self.no_shard:
             self.require_params()
             return self._no_shard_ids
@@ -343,10 +341,41 @@ class TorchRanks:
                     )
         return pairs
 
+    def _local_ids(self) -> List[Tuple[int, str]]:
+        """LOCAL_STATE_DICT's optimizer: one entry per parameter (a tie once) under ``use_orig_params``, else
+        one per flat parameter, in the files' order; the count checked."""
+        assert self.optims is not None
+        self.require_like()
+        assert self.local is not None
+        ids = [pid for g in self.optims[0]["param_groups"] for pid in g["params"]]
+        if self.local.orig_params:
+            twins = {t for _, tied in self.local.units().values() for t in tied}
+            params = set(self.local.param_names()) - twins
+            names = [k for k in self.models[0] if k in params]  # the files' order: like's may be sorted
+            what = "parameters (use_orig_params)"
+        else:
+            names = [k for k in self.models[0] if flat_prefix(k) is not None]
+            what = "flat parameters (FSDP units without use_orig_params)"
+        if len(ids) != len(names):
+            raise CheckpointError(
+                f"{self.files.optim[0]}: the optimizer holds {len(ids)} parameters and the files {len(names)} "  # type: ignore[index]
+                f"{what}: not these files' optimizer"
+            )
+        return list(zip(ids, names))
+
+    def param_shape(self, name: str) -> Tuple[int, ...]:
+        """A parameter's whole shape: the model file's, or ``like``'s for LOCAL_STATE_DICT (whose files hold
+        rank slices)."""
+        if self.local is not None:
+            return tuple(self.local.like[name].shape)
+        return tuple(self.models[0][name].shape)
+
     def full_optimizer(self) -> Dict[str, Any]:
         """As ``get_optimizer_state_dict(model, optim, full_state_dict=True)`` gives it: keyed by name."""
         pairs = self.optimizer_ids()  # refuses where there is none to read
         assert self.optims is not None
+        if self.local is not None and not self.local.orig_params:
+            return self._local_flat_optimizer(pairs)
         name_of = dict(pairs)
         state: Dict[str, Dict[str, Any]] = {}
         for pid, name in pairs:
@@ -373,6 +402,65 @@ class TorchRanks:
             )
         if self.kind == "fsdp1":  # as torch orders FSDP1's full optimizer state: by name
             state = dict(sorted(state.items()))
+        return {"state": state, "param_groups": groups}
+
+    def flat_moments(self, pid: int, key: str) -> Dict[str, Any]:
+        """A flat parameter's optimizer state (without ``use_orig_params``): each moment joined from the ranks'
+        padded shards, in flat order; ``step`` and other values rank 0's."""
+        assert self.optims is not None
+        where = self.files.optim[0]  # type: ignore[index]
+        held = [o["state"].get(pid) for o in self.optims]
+        if not all(held):
+            raise CheckpointError(f"{where}: optimizer entry {pid} ({key}) is missing on some ranks")
+        out: Dict[str, Any] = {}
+        for name, v0 in held[0].items():  # type: ignore[union-attr]
+            if not isinstance(v0, TensorRef) or not v0.shape:
+                out[name] = whole(v0) if isinstance(v0, TensorRef) else v0
+                continue
+            pieces = [h.get(name) for h in held]  # type: ignore[union-attr]
+            if not all(_is_slice(p) and p.numel == v0.numel and str(p.dtype) == str(v0.dtype) for p in pieces):
+                raise CheckpointError(
+                    f"{where}: optimizer entry {pid} ({key})'s {name} is not one equal 1-D shard per rank: not "
+                    "the state of an FSDP1 flat parameter"
+                )
+            sources, count = rank_slices(pieces)
+            out[name] = Fill((count,), v0.dtype, tuple(sources.values()))
+        return out
+
+    def _local_flat_optimizer(self, pairs: List[Tuple[int, str]]) -> Dict[str, Any]:
+        """Without ``use_orig_params``: each flat parameter's moments cut into its parameters, as the flat
+        parameter itself is cut (end to end, a tie once); ``step`` to each. Keys sorted, as torch's full
+        optimizer state has them."""
+        assert self.optims is not None and self.local is not None
+        units = self.local.units()
+        state: Dict[str, Dict[str, Any]] = {}
+        members: Dict[int, List[str]] = {}
+        for pid, key in pairs:
+            names, _ = units[flat_prefix(key)]  # type: ignore[index]
+            moments = self.flat_moments(pid, key)
+            members[pid] = names
+            at = 0
+            for name in names:
+                n = numel(self.param_shape(name))
+                # a Fill apiece, step too: one tensor shared by two parameters' states would be stepped twice
+                state[name] = {
+                    k: Fill(self.param_shape(name), v.dtype, sources_in(v, at, at + n))
+                    if isinstance(v, Fill) and v.shape
+                    else Fill(v.shape, v.dtype, v.sources)
+                    if isinstance(v, Fill)
+                    else v
+                    for k, v in sorted(moments.items())
+                }
+                at += n
+            if any(isinstance(v, Fill) and v.shape and v.numel < at for v in moments.values()):
+                raise CheckpointError(
+                    f"{self.files.optim[0]}: optimizer entry {pid}'s moments hold fewer elements than {key}'s "  # type: ignore[index]
+                    "parameters: not these files' optimizer"
+                )
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [n for p in g["params"] for n in members[p]]}
+            for g in self.optims[0]["param_groups"]
+        ]
         return {"state": state, "param_groups": groups}
 
     def _no_shard_pairs(self, ids: List[int]) -> List[Tuple[int, str]]:
@@ -452,7 +540,7 @@ class TorchRanks:
         None for a parameter with no state."""
         assert self.optims is not None
         pairs = self.optimizer_ids()
-        numels = [numel(self.models[0][name].shape) for _, name in pairs]
+        numels = [numel(self.param_shape(name)) for _, name in pairs]
         seen: List[Optional[Dict[int, Tuple[int, int]]]] = []
         for (pid, _), count in zip(pairs, numels):
             if self.no_shard:  # one rank holds every parameter whole
@@ -472,7 +560,7 @@ class TorchRanks:
         held = [(r, o["state"][pid]) for r, o in enumerate(self.optims) if pid in o["state"]]
         if not held:
             return None
-        shape = tuple(self.models[0][name].shape)
+        shape = self.param_shape(name)
         where = (self.files.optim or ("",))[held[0][0]]
         if self.no_shard:
             return self._no_shard_entry(held[0][1], shape, name, where)
@@ -562,6 +650,12 @@ class LocalStateDict:
         # The model's order: like's if it keeps it, else the files' (each name there under use_orig_params).
         order = list(self.like) if self.ordered else [k for k in self.models[0] if flat_prefix(k) is None]
         return {name: out[name] for name in order + [n for n in self.like if n not in order]}
+
+    @property
+    def orig_params(self) -> bool:
+        """Saved with ``use_orig_params=True``: each parameter's rank slice is in the files beside the flat
+        parameters."""
+        return any(name in self.models[0] for name in self.param_names())
 
     def param_names(self) -> List[str]:
         """The parameters, in ``like``'s order: the names stored as rank slices or only in a flat parameter

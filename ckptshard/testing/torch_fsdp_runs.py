@@ -318,19 +318,25 @@ def fsdp1_torch_at(ref: str, out: str, world: int, bf16: bool = False) -> None:
 
 
 def _fsdp1_local_at_worker(rank: int, world: int, ref: str, out: str, bf16: bool, orig_params: bool) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     model = fsdp1_wrapped(seed=7, bf16=bf16, orig_params=orig_params)
+    optim, _ = make_optimizer(model)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
         model.load_state_dict(torch.load(os.path.join(ref, "full_model.pt"), weights_only=True))
+    full_optim = torch.load(os.path.join(ref, "full_optim.pt"), weights_only=True)
+    set_optimizer_state_dict(model, optim, full_optim, options=StateDictOptions(full_state_dict=True))
     os.makedirs(out, exist_ok=True)
     with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
         torch.save(model.state_dict(), os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"))
+    torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
 
 
 def fsdp1_local_at(ref: str, out: str, world: int, bf16: bool = False, orig_params: bool = True) -> None:
-    """The full reference loaded into FSDP1 at ``world``, its LOCAL_STATE_DICT files saved: torch's own at N."""
+    """The full reference (model and optimizer) loaded into FSDP1 at ``world``, its LOCAL_STATE_DICT files and
+    raw ``optimizer.state_dict()`` saved: torch's own at N."""
     run_world(_fsdp1_local_at_worker, world, ref, out, bf16, orig_params)
 
 
