@@ -360,8 +360,8 @@ def test_fsdp1_reshard_is_what_fsdp1_at_n_saves(cache_root, m, bf16, n, tmp_path
 
 
 NO_TORCH = (
-    "import sys, ckptshard; ckptshard.reshard(sys.argv[1], sys.argv[2], 4, progress=False); "
-    "print('torch' in sys.modules)"
+    "import sys, ckptshard; ckptshard.reshard(sys.argv[1], sys.argv[2], 4, like=(sys.argv[3:] or [None])[0], "
+    "progress=False); print('torch' in sys.modules)"
 )
 
 
@@ -514,6 +514,17 @@ def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
     at_n = like if n > 1 else None  # at one rank (NO_SHARD) the files hold the plain tensors
     ckptshard.consolidate(str(tmp_path / "ours"), str(tmp_path / "full.pt"), like=at_n, progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), _load(src / "ref" / "full_model.pt"), "model")
+
+
+def test_fsdp1_local_state_dict_reshard_imports_no_torch(cache_root, tmp_path):
+    """The flat parameters' ShardedTensors (local shards that require grad) and the optimizer files are
+    written without torch too; test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves checks them."""
+    run = _fsdp1_run(cache_root, 3, False)
+    local = _local_with_optim(run, tmp_path / "local")
+    args = [str(local), str(tmp_path / "out"), str(run / "ref" / "full_model.pt")]
+    out = subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr
+    assert len(list((tmp_path / "out").glob("optim_world_size_4_rank_*.pt"))) == 4
 
 
 def test_fsdp1_local_state_dict_optimizer_of_other_files_is_refused(cache_root, flat_params_run, tmp_path):

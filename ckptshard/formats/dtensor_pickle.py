@@ -28,7 +28,7 @@ from ..dtypes import Size, dtype_name
 from ..layout.boxes import strides
 from ..layout.dim_shards import chunk_sizes
 from .torch_distributed import PickledDTensor, TemplateTensor
-from .torch_names import NO_STATE, Call, Global, Literal, NewObj
+from .torch_names import NO_STATE, Call, Global, Literal, NewObj, RequiresGrad
 from .torch_pickle import Unsupported
 
 REBUILD_FROM_TYPE = Global.of("torch._tensor", "_rebuild_from_type_v2")
@@ -216,8 +216,8 @@ class DTensorWriter:
         group state, sharding spec, init_rrefs)`` built from the template's objects."""
         state = template.state
         shape = tuple(fill.shape)
-        if not (isinstance(state, tuple) and len(state) == 5 and shape and not fill.requires_grad):
-            raise Unsupported("a ShardedTensor of another shape (or whose shard requires grad)")
+        if not (isinstance(state, tuple) and len(state) == 5 and shape):
+            raise Unsupported("a ShardedTensor of another shape")
         parts = _ShardedParts(template)
         rank, world = self.place.rank, self.place.world
         rows = [n for n in chunk_sizes(shape[0], world) if n]  # torch.chunk's chunks: ranks past them hold none
@@ -228,7 +228,8 @@ class DTensorWriter:
         local = []
         if rank < len(rows):
             mine = parts.shard_metadata([starts[rank], *zeros], [rows[rank], *rest], rank)
-            local = [NewObj(parts.shard.cls, (), (None, {"tensor": fill.local, "metadata": mine}))]
+            tensor = RequiresGrad(fill.local) if fill.requires_grad else fill.local  # LOCAL's flat parameters
+            local = [NewObj(parts.shard.cls, (), (None, {"tensor": tensor, "metadata": mine}))]
         dtype = Global.of("torch", dtype_name(fill.local.dtype))
         props = NewObj(parts.properties.cls, (), (dtype, *parts.properties.state[1:]))
         meta = NewObj(parts.meta.cls, (), {"shards_metadata": shards, "size": Size(shape), "tensor_properties": props})

@@ -99,3 +99,10 @@ def torch_global(name: str) -> bytes:
     """The GLOBAL opcode torch.save writes for the torch name behind stand-in ``name``."""
     module, real = TORCH_NAME[name]
     return b"c" + f"{module}\n{real}\n".encode()
+
+
+@dataclass(frozen=True, eq=False)
+class RequiresGrad:
+    """A tensor pickled as one that requires grad (a LOCAL_STATE_DICT flat parameter's local shard)."""
+
+    fill: Any  # a Fill

@@ -35,7 +35,7 @@ from ..dtypes import STORAGE_CLASSES, Size, dtype_name
 from ..layout.boxes import strides
 from ..tensors import DTensorFill, Fill
 from . import torch_names
-from .torch_names import NO_STATE, Call, Global, Literal, NewObj
+from .torch_names import NO_STATE, Call, Global, Literal, NewObj, RequiresGrad
 from .torch_pickle import Unsupported
 from .zip_records import LOCAL_HEADER, LOCAL_SIG
 
@@ -62,14 +62,14 @@ def _check_plain(obj: Any) -> None:
         raise Unsupported(f"cannot write a {type(obj).__name__} without torch")
 
 
-def _new_storage(storages: List[_Storage], fill: Fill | Literal) -> tuple:
+def _new_storage(storages: List[_Storage], fill: Fill | Literal, requires_grad: bool = False) -> tuple:
     """The arguments of ``fill``'s ``_rebuild_tensor_v2``, over a new storage (the next key) appended to
     ``storages``."""
     if dtype_name(fill.dtype) not in _CLASS_OF_DTYPE:
         raise Unsupported(f"dtype {fill.dtype}")
     storage = _Storage(str(len(storages)), fill)
     storages.append(storage)
-    return (storage, 0, tuple(fill.shape), strides(fill.shape), False, collections.OrderedDict())
+    return (storage, 0, tuple(fill.shape), strides(fill.shape), requires_grad, collections.OrderedDict())
 
 
 DTensorWriter = Callable[[Any], Call]  # a DTensorFill as the call torch.save writes for its DTensor
@@ -102,6 +102,9 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
             return
         if isinstance(obj, (Fill, Literal)):
             self._save_tensor(obj)
+            return
+        if isinstance(obj, RequiresGrad):
+            self._save_tensor(obj.fill, requires_grad=True)
             return
         if isinstance(obj, (NewObj, Call)):
             self._save_object(obj)
@@ -139,12 +142,13 @@ class _Pickler(pickle._Pickler):  # the Python pickler: its save() can be extend
         self.made.append(call)
         self.save_reduce(call.func, tuple(call.args), obj=fill)
 
-    def _save_tensor(self, fill: Fill | Literal) -> None:
+    def _save_tensor(self, fill: Fill | Literal, requires_grad: bool = False) -> None:
         memo = self.memo.get(id(fill))
         if memo is not None:  # a tie: the same tensor again, as torch.save writes it
             self.write(self.get(memo[0]))
             return
-        self.save_reduce(Global.of("torch._utils", "_rebuild_tensor_v2"), _new_storage(self.storages, fill), obj=fill)
+        args = _new_storage(self.storages, fill, requires_grad)
+        self.save_reduce(Global.of("torch._utils", "_rebuild_tensor_v2"), args, obj=fill)
 
 
 _PLAIN = {

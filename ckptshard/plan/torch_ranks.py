@@ -237,8 +237,10 @@ class LocalReshard:
                 for twin, name in self.units[prefix][1].items():
                     out[twin] = out[name]
             piece = Fill((sizes[rank],), flat.dtype, tuple(sources))
-            grad = self.ranks.models[0][flat_keys[prefix]].requires_grad
-            out[flat_keys[prefix]] = DTensorFill(piece, (unit.size,), (("shard", 0),), True, grad)
+            source = self.ranks.models[0][flat_keys[prefix]]
+            out[flat_keys[prefix]] = DTensorFill(
+                piece, (unit.size,), (("shard", 0),), True, source.requires_grad, source.pickled
+            )
         for name, v in self.ranks.models[0].items():
             if name not in out:  # a buffer, whole; another value as it is
                 out[name] = self.full[name] if isinstance(v, TensorRef) else v

@@ -355,6 +355,7 @@ def _fsdp1_compare_worker(rank: int, world: int, a: str, b: str) -> None:
         gs, ws = g.local_shards(), w.local_shards()
         assert [s.metadata for s in gs] == [s.metadata for s in ws], (name, k)
         assert all(torch.equal(x.tensor, y.tensor) for x, y in zip(gs, ws)), (name, k)
+        assert [x.tensor.requires_grad for x in gs] == [y.tensor.requires_grad for y in ws], (name, k)
 
 
 def fsdp1_same_models(a: str, b: str, world: int) -> None:
