@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 # The oldest and the newest torch tested; each gets its own venv (CUDA builds from the registry, GBs).
-TORCH_RANGE ?= 2.0.1 2.15.0
+TORCH_RANGE ?= 2.0.1 2.6.0 2.15.0
 
 .PHONY: setup demo lint test test-range bench clean
 

@@ -104,6 +104,29 @@ def test_a_1d_mesh_is_resized_and_its_rank_set():
     assert writer._mesh(_mesh()) is not made and writer._mesh(m := _mesh()) is writer._mesh(m)  # one per template
 
 
+def test_a_mesh_as_torch_2_6_pickles_it_is_resized_too():
+    state = {
+        "device_type": "cpu",
+        "mesh": TemplateTensor((2,), StoredDType("int32"), True),
+        "mesh_dim_names": None,
+        "_flatten_mesh_list": (0, 1),
+        "_thread_id": None,
+        "_dim_group_infos": [("ptd:0", [0, 1], "0")],
+        "_coordinate_on_dim": [0],
+        "_hash": 1,
+    }
+    made = DTensorWriter(MeshPlace(3, 2))._mesh(
+        NewObj(Global.of("torch.distributed.device_mesh", "DeviceMesh"), (), state)
+    )
+    assert made.state["_dim_group_infos"] == [("ptd:0", [0, 1, 2], "0")] and made.state["_coordinate_on_dim"] == [2]
+    assert made.state["_flatten_mesh_list"] == (0, 1, 2) and made.state["mesh"].shape == (3,)
+    state["_dim_group_infos"] = [("ptd:0", [0, 1], "0"), ("ptd:1", [0], "1")]  # two mesh dimensions
+    with pytest.raises(Unsupported):
+        DTensorWriter(MeshPlace(3, 2))._mesh(
+            NewObj(Global.of("torch.distributed.device_mesh", "DeviceMesh"), (), state)
+        )
+
+
 @pytest.mark.parametrize(
     "changes",
     [

@@ -199,8 +199,8 @@ def test_fsdp2_files_consolidate_with_this_torch(tmp_path):
 
 def test_fsdp2_files_reshard_with_this_torch(tmp_path):
     """2 -> 3 of committed FSDP2 files (torch 2.13's pickles), written without torch whatever torch is
-    installed: consolidating the output gives the full model and optimizer back. A torch with DTensor also
-    loads each rank's piece, equal to ``torch.chunk`` of the whole, the moments too."""
+    installed: consolidating the output gives the full model and optimizer back. A torch that reads the
+    source's DTensors also loads each rank's piece, equal to ``torch.chunk`` of the whole, the moments too."""
     src = GOLDEN / "fsdp2"
     ckptshard.reshard(str(src), str(tmp_path / "r3"), 3, progress=False)
     full, optim = _load(src / "full_model.pt"), _load(src / "full_optim.pt")
@@ -210,9 +210,9 @@ def test_fsdp2_files_reshard_with_this_torch(tmp_path):
     for name, entry in optim["state"].items():
         _equal(back["state"][name], entry)
     try:
-        from torch.distributed.tensor import DTensor  # noqa: F401
-    except ImportError:
-        return  # torch before 2.5: no DTensor to load the files with
+        torch.load(src / "model_world_size_2_rank_0.pt", weights_only=False)
+    except (ImportError, AttributeError):
+        return  # this torch cannot read the source's DTensors either: no DTensor, or another release's classes
     names = list(optim["state"])  # FSDP2's full optimizer state: by name, in parameter order
     for r in range(3):
         model = torch.load(tmp_path / "r3" / f"model_world_size_3_rank_{r}.pt", weights_only=False)
@@ -227,3 +227,29 @@ def test_fsdp2_files_reshard_with_this_torch(tmp_path):
             chunks = torch.chunk(whole, 3)
             want = chunks[r] if r < len(chunks) else whole[:0]
             assert torch.equal(local, want), (r, name)
+
+
+NO_TORCH = "import sys, ckptshard; ckptshard.reshard(*sys.argv[1:3], 3, progress=False); print('torch' in sys.modules)"
+
+
+def test_dtensors_saved_by_this_torch_reshard_without_it_to_what_it_saves(tmp_path):
+    """DTensors saved by this torch at 2 (its DeviceMesh's fields, which change between releases) reshard to 3
+    without importing torch, into what this torch saves at 3: every field of every mesh, ``_hash`` aside."""
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__}: no DTensor")
+    import subprocess
+    import sys
+
+    from ckptshard.testing import torch_fsdp_runs
+
+    torch_fsdp_runs.save_dtensors(str(tmp_path / "at2"), 2)
+    torch_fsdp_runs.save_dtensors(str(tmp_path / "at3"), 3)
+    run = [sys.executable, "-c", NO_TORCH, str(tmp_path / "at2"), str(tmp_path / "out")]
+    out = subprocess.run(run, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr  # the rewrite knows this torch's mesh: no torch import
+    for r in range(3):
+        name = f"model_world_size_3_rank_{r}.pt"
+        got = torch.load(tmp_path / "out" / name, weights_only=False)
+        torch_fsdp_runs.assert_same_state(got, torch.load(tmp_path / "at3" / name, weights_only=False), name)

@@ -99,6 +99,16 @@ def _layout(value: Any, place: MeshPlace, world: int) -> Any:
     return NewObj(value.cls, (), state)
 
 
+def _group_infos(value: Any, place: MeshPlace, world: int) -> Any:
+    """``[(tag, ranks, group name)]`` of the one process group a 1-D mesh over all ranks uses."""
+    _require(isinstance(value, list) and len(value) == 1, "_dim_group_infos (a 1-D mesh)")
+    info = value[0]
+    _require(isinstance(info, (tuple, list)) and len(info) == 3, "_dim_group_infos entry")
+    tag, ranks, name = info
+    _require(isinstance(ranks, list) and ranks == list(range(world)), "_dim_group_infos ranks")
+    return [type(info)((tag, list(range(place.world)), name))]
+
+
 def _none(value: Any, place: MeshPlace, world: int) -> Any:
     return None
 
@@ -111,11 +121,14 @@ def _when(ok: Callable[[Any], bool], what: str) -> Callable[[Any, MeshPlace, int
     return keep
 
 
-# DeviceMesh fields (torch 2.9-2.15 pickle its __dict__) and how each follows the rank and world size.
+_DIM_NAMES = _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names")
+
+# DeviceMesh fields and how each follows the rank and world size. torch pickles the mesh's __dict__: 2.13 and
+# 2.15 a layout and a rank map (the first group below), 2.6 a mesh tensor and process-group infos (the second).
 MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_device_type": _keep,
     "_thread_id": _keep,
-    "_mesh_dim_names": _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names"),
+    "_mesh_dim_names": _DIM_NAMES,
     "_root_mesh": _when(lambda v: v is None, "_root_mesh (a mesh sliced from another)"),
     "_flatten_mapping": _when(lambda v: v == {}, "_flatten_mapping"),
     "_dim_group_names": _when(lambda v: isinstance(v, list) and len(v) == 1, "_dim_group_names (a 1-D mesh)"),
@@ -125,6 +138,11 @@ MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_rank_map": _rank_tensor,
     "_layout": _layout,
     "_hash": _none,
+    "device_type": _keep,
+    "mesh": _rank_tensor,
+    "mesh_dim_names": _DIM_NAMES,
+    "_flatten_mesh_list": _flat_ranks,
+    "_dim_group_infos": _group_infos,
 }
 # DTensorSpec fields besides mesh and tensor_meta: they follow the placements, which resharding keeps.
 SPEC_FIELDS = {"placements", "shard_order", "use_strided_shard_as_shard_order"}
@@ -136,7 +154,7 @@ def _require(ok: bool, what: str) -> None:
 
 
 def _mesh_world(state: Dict[str, Any]) -> int:
-    ranks = state.get("_flatten_rank_map")
+    ranks = state.get("_flatten_rank_map", state.get("_flatten_mesh_list"))
     _require(isinstance(ranks, (tuple, list)) and len(ranks) > 0, "_flatten_rank_map")
     return len(ranks)
 
