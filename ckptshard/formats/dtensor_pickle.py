@@ -124,7 +124,8 @@ def _when(ok: Callable[[Any], bool], what: str) -> Callable[[Any, MeshPlace, int
 _DIM_NAMES = _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names")
 
 # DeviceMesh fields and how each follows the rank and world size. torch pickles the mesh's __dict__: 2.13 and
-# 2.15 a layout and a rank map (the first group below), 2.6 a mesh tensor and process-group infos (the second).
+# 2.15 a layout and a rank map (the first group below), 2.6 and 2.8 a mesh tensor (the second) with
+# process-group infos (2.6) or names (2.8).
 MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_device_type": _keep,
     "_thread_id": _keep,
