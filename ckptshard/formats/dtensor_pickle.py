@@ -132,6 +132,7 @@ MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_mesh_dim_names": _DIM_NAMES,
     "_root_mesh": _when(lambda v: v is None, "_root_mesh (a mesh sliced from another)"),
     "_flatten_mapping": _when(lambda v: v == {}, "_flatten_mapping"),
+    "_preserve_rank_order": _when(lambda v: isinstance(v, bool), "_preserve_rank_order"),  # 2.15: a creation option
     "_dim_group_names": _when(lambda v: isinstance(v, list) and len(v) == 1, "_dim_group_names (a 1-D mesh)"),
     "_rank": _rank,
     "_coordinate_on_dim": _coordinate,
