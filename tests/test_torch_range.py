@@ -253,3 +253,28 @@ def test_dtensors_saved_by_this_torch_reshard_without_it_to_what_it_saves(tmp_pa
         name = f"model_world_size_3_rank_{r}.pt"
         got = torch.load(tmp_path / "out" / name, weights_only=False)
         torch_fsdp_runs.assert_same_state(got, torch.load(tmp_path / "at3" / name, weights_only=False), name)
+
+
+def test_fsdp1_files_of_this_torch_reshard_without_it_to_what_it_saves(tmp_path):
+    """A real FSDP1 run at 2 with this torch (SHARDED_STATE_DICT, raw optimizer state, as verl saves them)
+    reshards to 3 without importing torch, into what FSDP1 at 3 of this torch saves after loading the full
+    state: ShardedTensor metadata, sharding spec and local shards, every optimizer tensor."""
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__}: FSDP1 on the CPU is newer")
+    import subprocess
+    import sys
+
+    from ckptshard.testing import torch_fsdp_runs
+
+    torch_fsdp_runs.build_fsdp1_run(str(tmp_path / "at2"), 2)
+    torch_fsdp_runs.fsdp1_torch_at(str(tmp_path / "at2" / "ref"), str(tmp_path / "at3"), 3)
+    run = [sys.executable, "-c", NO_TORCH, str(tmp_path / "at2"), str(tmp_path / "out")]
+    out = subprocess.run(run, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"], out.stderr  # the rewrite knows this torch's ShardedTensor
+    torch_fsdp_runs.fsdp1_same_models(str(tmp_path / "out"), str(tmp_path / "at3"), 3)
+    for r in range(3):
+        name = f"optim_world_size_3_rank_{r}.pt"
+        got, want = (torch.load(tmp_path / d / name, weights_only=True) for d in ("out", "at3"))
+        torch_fsdp_runs.assert_same_state(got, want, name)

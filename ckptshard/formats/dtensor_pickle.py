@@ -294,7 +294,9 @@ class _ShardedParts:
         self.properties = self.meta.state["tensor_properties"]
         if not (isinstance(self.properties, NewObj) and isinstance(self.properties.state, tuple)):
             raise Unsupported("TensorProperties of another shape")
-        if len(self.properties.state) != 5:
+        # (dtype, layout, requires_grad, memory format, pin_memory), and since torch 2.15 strides: None for FSDP1's
+        fields = self.properties.state
+        if not (len(fields) == 5 or (len(fields) == 6 and fields[5] is None)):
             raise Unsupported("TensorProperties of another shape")
         self.pg = _obj(pg, PG_FIELDS)
         self.chunked = isinstance(spec, NewObj) and isinstance(spec.state, dict) and "placements" in spec.state
