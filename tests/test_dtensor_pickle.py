@@ -15,8 +15,8 @@ import pytest
 
 import ckptshard
 from ckptshard.dtypes import StoredDType
-from ckptshard.formats.dtensor_pickle import DTensorWriter, MeshPlace
-from ckptshard.formats.torch_distributed import PickledDTensor, TemplateTensor
+from ckptshard.formats.dtensor_pickle import DTensorWriter
+from ckptshard.formats.torch_distributed import MeshPlace, PickledDTensor, TemplateTensor
 from ckptshard.formats.torch_names import Global, NewObj
 from ckptshard.formats.torch_pickle import Unsupported
 

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
-from ..formats.dtensor_pickle import MeshPlace
+from ..formats.torch_distributed import MeshPlace
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.inputs import watched

@@ -1,4 +1,4 @@
-"""FSDP2's DTensors pickled without torch, the source files' own DTensor pickles as the template.
+"""FSDP2's DTensors and FSDP1's ShardedTensors pickled without torch, the source files' own pickles as templates.
 
 A DTensor's pickle (see ``torch_distributed``) holds its spec and DeviceMesh:
 private classes whose fields change between torch releases. Importing torch
@@ -7,7 +7,9 @@ reshard. Instead the reader keeps each source DTensor's pickle
 (``torch_distributed.PickledDTensor``, written by the torch that trained), and
 :class:`DTensorWriter` writes it again with what depends on the world size,
 the rank and the tensor changed: the local tensor, the global shape and
-stride, the dtype, and the mesh's rank fields.
+stride, the dtype, and the mesh's rank fields. A ShardedTensor is rebuilt
+from its template's own classes: shards metadata for N, process-group
+state, and the sharding spec torch would infer (chunked or enumerable).
 
 A field is rewritten only if it is known to depend on nothing but those
 (:data:`MESH_FIELDS`, :data:`SPEC_FIELDS`). Any other field, a mesh of more
@@ -21,26 +23,14 @@ No I/O and no torch here.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
-from ..dtypes import Size, dtype_name
+from ..dtypes import dtype_name
 from ..layout.boxes import strides
-from ..layout.dim_shards import chunk_sizes
-from .torch_distributed import PickledDTensor, TemplateTensor
-from .torch_names import NO_STATE, Call, Global, Literal, NewObj, RequiresGrad
+from .sharded_tensor_pickle import sharded_tensor_call
+from .torch_distributed import MeshPlace, PickledDTensor, TemplateTensor
+from .torch_names import NO_STATE, REBUILD_FROM_TYPE, REBUILD_WRAPPER, Call, Global, Literal, NewObj
 from .torch_pickle import Unsupported
-
-REBUILD_FROM_TYPE = Global.of("torch._tensor", "_rebuild_from_type_v2")
-REBUILD_WRAPPER = Global.of("torch._utils", "_rebuild_wrapper_subclass")
-
-
-@dataclass(frozen=True)
-class MeshPlace:
-    """Rank ``rank`` of a 1-D device mesh of ``world`` ranks: where an output file's DTensors live."""
-
-    world: int
-    rank: int
 
 
 def _keep(value: Any, place: MeshPlace, world: int) -> Any:
@@ -177,7 +167,7 @@ class DTensorWriter:
         if not isinstance(template, PickledDTensor):
             raise Unsupported("no source DTensor pickle to follow")
         if fill.sharded_tensor:
-            return self._sharded_tensor(fill, template)
+            return sharded_tensor_call(fill, template, self.place)
         shell, state = template.shell, template.state
         if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
             raise Unsupported("a DTensor state other than (dict, slots)")
@@ -230,92 +220,3 @@ class DTensorWriter:
             state[key] = rule(value, self.place, world)
         self._meshes[id(mesh)] = made = NewObj(mesh.cls, (), state)
         return made
-
-    def _sharded_tensor(self, fill: Any, template: PickledDTensor) -> Call:
-        """FSDP1's ShardedTensor of this rank's dim-0 chunk: its state ``(local shards, metadata, process
-        group state, sharding spec, init_rrefs)`` built from the template's objects."""
-        state = template.state
-        shape = tuple(fill.shape)
-        if not (isinstance(state, tuple) and len(state) == 5 and shape):
-            raise Unsupported("a ShardedTensor of another shape")
-        parts = _ShardedParts(template)
-        rank, world = self.place.rank, self.place.world
-        rows = [n for n in chunk_sizes(shape[0], world) if n]  # torch.chunk's chunks: ranks past them hold none
-        starts = [sum(rows[:i]) for i in range(len(rows))]
-        rest = list(shape[1:])
-        zeros = [0] * len(rest)
-        shards = [parts.shard_metadata([at, *zeros], [n, *rest], i) for i, (at, n) in enumerate(zip(starts, rows))]
-        local = []
-        if rank < len(rows):
-            mine = parts.shard_metadata([starts[rank], *zeros], [rows[rank], *rest], rank)
-            tensor = RequiresGrad(fill.local) if fill.requires_grad else fill.local  # LOCAL's flat parameters
-            local = [NewObj(parts.shard.cls, (), (None, {"tensor": tensor, "metadata": mine}))]
-        dtype = Global.of("torch", dtype_name(fill.local.dtype))
-        props = NewObj(parts.properties.cls, (), (dtype, *parts.properties.state[1:]))
-        meta = NewObj(parts.meta.cls, (), {"shards_metadata": shards, "size": Size(shape), "tensor_properties": props})
-        pg = NewObj(parts.pg.cls, (), dict.fromkeys(PG_FIELDS[:2], rank) | dict.fromkeys(PG_FIELDS[2:], world))
-        if _chunked(rows) != parts.chunked:
-            raise Unsupported("a ShardedTensor whose sharding spec changes kind")
-        if parts.chunked:
-            spec = NewObj(parts.spec.cls, (), {"dim": 0, "placements": [s.state[1]["placement"] for s in shards]})
-        else:
-            spec = NewObj(parts.spec.cls, (), {"shards": shards})
-        args = (template.shell[0], dtype, shape, strides(shape), *template.shell[4:])
-        return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, template.shell[0], args, (local, meta, pg, spec, state[4])))
-
-
-PG_FIELDS = ("local_rank", "global_rank", "local_world_size", "global_world_size")  # ShardedTensor.ProcessGroupState
-
-
-def _obj(x: Any, keys: Any, slots: bool = False) -> NewObj:
-    """``x`` as a NewObj whose state (a dict, or ``(None, dict)`` for a slotted dataclass) has ``keys``."""
-    state = x.state if isinstance(x, NewObj) else None
-    if slots:
-        state = state[1] if isinstance(state, tuple) and len(state) == 2 and state[0] is None else None
-    if not (isinstance(state, dict) and set(state) == set(keys) and not x.args):
-        raise Unsupported(f"a ShardedTensor part of another shape than {sorted(keys)}")
-    return x
-
-
-class _ShardedParts:
-    """The objects of a template ShardedTensor, checked: their classes are what a new one is made of."""
-
-    def __init__(self, template: PickledDTensor) -> None:
-        shards, meta, pg, spec, _ = template.state
-        if not (isinstance(shards, list) and len(shards) == 1):
-            raise Unsupported("a template ShardedTensor without its local shard")
-        self.shard = _obj(shards[0], ("tensor", "metadata"), slots=True)
-        self.meta = _obj(meta, ("shards_metadata", "size", "tensor_properties"))
-        listed = self.meta.state["shards_metadata"]
-        if not isinstance(listed, list) or not listed:
-            raise Unsupported("a ShardedTensor without shards metadata")
-        self.shard_meta = _obj(listed[0], ("shard_offsets", "shard_sizes", "placement"), slots=True)
-        self.device = _obj(self.shard_meta.state[1]["placement"], ("_worker_name", "_rank", "_device"))
-        self.properties = self.meta.state["tensor_properties"]
-        if not (isinstance(self.properties, NewObj) and isinstance(self.properties.state, tuple)):
-            raise Unsupported("TensorProperties of another shape")
-        # (dtype, layout, requires_grad, memory format, pin_memory), and since torch 2.15 strides: None for FSDP1's
-        fields = self.properties.state
-        if not (len(fields) == 5 or (len(fields) == 6 and fields[5] is None)):
-            raise Unsupported("TensorProperties of another shape")
-        self.pg = _obj(pg, PG_FIELDS)
-        self.chunked = isinstance(spec, NewObj) and isinstance(spec.state, dict) and "placements" in spec.state
-        self.spec = _obj(spec, ("dim", "placements") if self.chunked else ("shards",))
-        if self.chunked and spec.state["dim"] != 0:
-            raise Unsupported("a ShardedTensor chunked along another dimension")
-
-    def shard_metadata(self, offsets: List[int], sizes: List[int], rank: int) -> NewObj:
-        device = NewObj(self.device.cls, (), {**self.device.state, "_rank": rank})
-        fields = {"shard_offsets": offsets, "shard_sizes": sizes, "placement": device}
-        return NewObj(self.shard_meta.cls, (), (None, fields))
-
-
-def _chunked(rows: List[int]) -> bool:
-    """Whether torch infers a ChunkShardingSpec (not an enumerable one) for dim-0 shards of ``rows``: more
-    than one shard, cut as ``torch.chunk`` cuts their total into as many pieces."""
-    if len(rows) < 2:
-        return False  # every offset zero: torch cannot tell a chunked dimension
-    total = sum(rows)
-    split = -(-total // len(rows))
-    expected = [max(min(total, split * (i + 1)) - split * i, 0) for i in range(len(rows))]
-    return sorted(rows) == sorted(expected)

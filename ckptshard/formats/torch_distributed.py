@@ -217,3 +217,11 @@ class PickledDTensor:
 
     shell: Tuple[Any, ...]
     state: Any
+
+
+@dataclass(frozen=True)
+class MeshPlace:
+    """Rank ``rank`` of a 1-D device mesh of ``world`` ranks: where an output file's DTensors live."""
+
+    world: int
+    rank: int

@@ -36,6 +36,10 @@ class Global:
         return cls._made.setdefault((module, name), cls(module, name))
 
 
+REBUILD_FROM_TYPE = Global.of("torch._tensor", "_rebuild_from_type_v2")  # a tensor subclass: DTensor, ShardedTensor
+REBUILD_WRAPPER = Global.of("torch._utils", "_rebuild_wrapper_subclass")
+
+
 class NewObj:
     """An instance of a torch class, pickled as protocol 2 pickles a plain object: NEWOBJ ``cls(*args)``
     (``cls.__new__`` only), then BUILD ``state`` unless it is :data:`NO_STATE`."""

@@ -11,7 +11,8 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..dtypes import Size, StoredDType, to_torch
-from ..formats.dtensor_pickle import DTensorWriter, MeshPlace
+from ..formats.dtensor_pickle import DTensorWriter
+from ..formats.torch_distributed import MeshPlace
 from ..formats.torch_pickle import Unsupported
 from ..formats.torch_save import Skeleton, lay_out_zip
 from ..osio.atomic import open_empty, preallocate
