@@ -122,6 +122,39 @@ def test_chained_reshards_equal_one(runs, tmp_path):
             _assert_equal(_load(tmp_path / "a4" / name), _load(tmp_path / "b4" / name), name)
 
 
+@pytest.fixture(scope="module")
+def hsdp_run(cache_root):
+    """FSDP2 on a 2 x 2 mesh (HSDP: 2 replicas of 2 shards, verl's fsdp_size=2 at 4 ranks)."""
+    return _once(cache_root / f"fsdp2-hsdp-2x2-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 4, replicas=2))
+
+
+def test_hsdp_files_consolidate_and_convert_to_the_full_state(hsdp_run, tmp_path):
+    """Replica 0's shards are the checkpoint: consolidated they are torch's full model and optimizer state;
+    the DCP loads into FSDP2 at 2 (one dimension) with both. Resharding is refused in one line."""
+    assert ckptshard.inspect_checkpoint(str(hsdp_run))["hsdp"] == [2, 2]
+    ckptshard.consolidate(str(hsdp_run), str(tmp_path / "full.pt"), optimizer=True, progress=False)
+    want_model, want_optim = _load(hsdp_run / "ref" / "full_model.pt"), _load(hsdp_run / "ref" / "full_optim.pt")
+    _assert_equal(_load(tmp_path / "full.pt"), want_model, "model")
+    _assert_equal(_load(tmp_path / "full.optim.pt"), want_optim, "optim")
+    ckptshard.convert(str(hsdp_run), str(tmp_path / "dcp"), "dcp", progress=False)
+    torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "loaded.pt"), 2)
+    loaded = _load(tmp_path / "loaded.pt")
+    _assert_equal(loaded["model"], want_model, "dcp model")
+    _assert_equal(loaded["optim"], want_optim, "dcp optim")
+    with pytest.raises(CheckpointError, match=r"HSDP files \(2 replicas x 2 shards\); resharding them is not"):
+        ckptshard.reshard(str(hsdp_run), str(tmp_path / "out"), 2, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_hsdp_files_that_are_not_one_mesh_are_refused(hsdp_run, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hsdp_run, src)
+    shutil.copy(src / "model_world_size_4_rank_0.pt", src / "model_world_size_4_rank_2.pt")  # (0, 0) twice
+    with pytest.raises(CheckpointError, match=r"are not one 2 x 2 mesh of 4 ranks"):
+        ckptshard.consolidate(str(src), str(tmp_path / "full.pt"), progress=False)
+    assert not (tmp_path / "full.pt").exists()
+
+
 def test_plain_per_rank_files_without_verl_names(runs, tmp_path):
     """A training loop's own torch.save(model.state_dict()) per rank: found by rank names, read the same."""
     for r in range(3):

@@ -191,6 +191,7 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
         "local_state_dict": ranks.flat is not None,
         "layout": "verl" if files.verl else "per-rank files",
         "world_size": ranks.world_size,
+        "hsdp": list(ranks.hsdp) if ranks.hsdp else None,
         "tensor_bytes": total,
         "tensors": tensors,
         "values": values,
@@ -207,7 +208,8 @@ def _format_ranks(s: Dict[str, Any]) -> str:
         f"source      {s['source']}",
         f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})"
         + (", LOCAL_STATE_DICT: flat parameters (--like FULL reads them)" if s["local_state_dict"] else ""),
-        f"world size  {s['world_size']}",
+        f"world size  {s['world_size']}"
+        + (f" (HSDP: {s['hsdp'][0]} replicas x {s['hsdp'][1]} shards; replica 0's files read)" if s["hsdp"] else ""),
         f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
         "optimizer   none"
         if o is None

@@ -394,6 +394,11 @@ def reshard_ranks(
     entries (``huggingface/``) are copied.
     """
     ranks.require_params()
+    if ranks.hsdp is not None:
+        raise CheckpointError(
+            f"{ranks.files.folder}: HSDP files ({ranks.hsdp[0]} replicas x {ranks.hsdp[1]} shards); resharding them "
+            "is not supported: consolidate them, or convert --to dcp, which FSDP2 loads at any mesh"
+        )
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
     files = ranks.files

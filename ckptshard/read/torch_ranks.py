@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
@@ -28,7 +28,7 @@ from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..layout.param_order import match_in_order
 from ..osio.inputs import input_file
 from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
-from ..tree import leaves
+from ..tree import leaves, map_leaves
 from .discover import find_shards
 from .full_state import full_state_refs, keeps_model_order
 from .tensor_data import repeated_values
@@ -132,12 +132,17 @@ def _model_dict(tree: Any, path: str) -> Dict[str, Any]:
     return dict(tree)
 
 
+def _unplaced(path: str, name: str, piece: DTensorRef) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: {name} is placed {piece.placements} on its device mesh; ckptshard reads FSDP2's "
+        "one-dimensional Shard(dim) and Replicate() placements, and HSDP's (Replicate(), Shard(dim)) on a "
+        "2-D mesh (not tensor parallel or partial sums)"
+    )
+
+
 def _check_piece(name: str, piece: DTensorRef, rank: int, world: int, path: str) -> None:
     if len(piece.placements) != 1 or piece.placements[0][0] not in ("shard", "replicate"):
-        raise CheckpointError(
-            f"{path}: {name} is placed {piece.placements} on its device mesh; ckptshard reads FSDP2's "
-            "one-dimensional Shard(dim) and Replicate() placements (not HSDP, tensor parallel or partial sums)"
-        )
+        raise _unplaced(path, name, piece)
     if piece.coordinate is not None and piece.coordinate != (rank,):
         raise CheckpointError(f"{path}: holds {name} of mesh rank {piece.coordinate[0]}, not of rank {rank}")
     kind, dim = piece.placements[0]
@@ -154,6 +159,46 @@ def _check_piece(name: str, piece: DTensorRef, rank: int, world: int, path: str)
         )
     if piece.local.numel and not piece.local.contiguous:
         raise CheckpointError(f"{path}: {name}'s local tensor is not contiguous")
+
+
+def _is_hsdp(piece: DTensorRef) -> bool:
+    """HSDP's placement: replicated over the mesh's first dimension, sharded over its second."""
+    kinds = tuple(kind for kind, _ in piece.placements)
+    return kinds == ("replicate", "shard") and piece.coordinate is not None and len(piece.coordinate) == 2
+
+
+def hsdp_replica(models: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> Optional[Tuple[int, int, List[int]]]:
+    """HSDP's files (FSDP2 on a 2-D mesh of replicas x shards, verl's ``fsdp_size``): the replica count,
+    the shard count, and the ranks holding replica 0's shards in order; None for a 1-D mesh. Every rank's
+    DTensors must be HSDP's, all at one coordinate, and the coordinates one full mesh."""
+    coords: List[Tuple[int, ...]] = []
+    for sd, path in zip(models, paths):
+        pieces = [(k, v) for k, v in sd.items() if isinstance(v, DTensorRef)]
+        if not any(len(v.placements) == 2 for _, v in pieces):
+            if coords:
+                raise CheckpointError(f"{path}: holds no HSDP DTensor, and {paths[0]} does: not one checkpoint")
+            return None
+        for k, v in pieces:
+            if not _is_hsdp(v):
+                raise _unplaced(path, k, v)
+        at = {v.coordinate for _, v in pieces}
+        if len(at) != 1:
+            raise CheckpointError(f"{path}: holds DTensors of mesh coordinates {sorted(at)}: one rank's file has one")
+        coords.append(at.pop())  # type: ignore[arg-type]
+    replicas, shards = 1 + max(c[0] for c in coords), 1 + max(c[1] for c in coords)
+    if replicas * shards != len(models) or len(set(coords)) != len(coords):
+        raise CheckpointError(
+            f"{paths[0]}: the files' mesh coordinates {sorted(coords)} are not one {replicas} x {shards} mesh "
+            f"of {len(models)} ranks (a rank missing or twice)"
+        )
+    return replicas, shards, [coords.index((0, s)) for s in range(shards)]
+
+
+def _shard_piece(x: Any) -> Any:
+    """An HSDP DTensor as the FSDP2 piece it is within its replica: sharded on the mesh's second dimension."""
+    if isinstance(x, DTensorRef) and len(x.placements) == 2:
+        return replace(x, placements=x.placements[1:], coordinate=x.coordinate[1:])  # type: ignore[index]
+    return x
 
 
 def assemble(pieces: Sequence[DTensorRef]) -> Fill:
@@ -189,6 +234,16 @@ class TorchRanks:
         self.files = files
         self.world_size = files.world_size
         self.models = [_model_dict(t, p) for t, p in zip(models, files.model)]
+        # HSDP: replica 0's files are the checkpoint, an FSDP2 one of its shard count (the others replicate it)
+        self.hsdp: Optional[Tuple[int, int]] = None
+        self.model_paths, self.optim_paths = list(files.model), list(files.optim or ())
+        replica = hsdp_replica(self.models, files.model)
+        if replica is not None:
+            replicas, self.world_size, order = replica
+            self.hsdp = (replicas, self.world_size)
+            self.models = [map_leaves(self.models[r], _shard_piece) for r in order]
+            self.model_paths = [files.model[r] for r in order]
+            self.optim_paths = [self.optim_paths[r] for r in order] if files.optim else []
         kinds = [{v.sharded_tensor for v in sd.values() if isinstance(v, DTensorRef)} for sd in self.models]
         if any(len(k) > 1 for k in kinds) or len(set().union(*kinds)) > 1:
             bad = next(p for p, k in zip(files.model, kinds) if k != kinds[0])
@@ -204,7 +259,7 @@ class TorchRanks:
         self._check_models()
         self.optims = None
         if files.optim:
-            self.optims = [self._optim(p) for p in files.optim]
+            self.optims = [map_leaves(self._optim(p), _shard_piece) for p in self.optim_paths]
             self._check_optims()
         self.params_known = not self.no_shard
         self._no_shard_error: Optional[CheckpointError] = None  # kept for what needs the parameters told
@@ -220,7 +275,7 @@ class TorchRanks:
             raise CheckpointError(f"{self.files.model[0]}: holds no tensor: not a model's state dict")
         if not has_dtensors(first) and not self.no_shard:
             raise CheckpointError(f"{self.files.model[0]}: holds no DTensor: not a torch FSDP2 per-rank state dict")
-        for r, (sd, path) in enumerate(zip(self.models, self.files.model)):
+        for r, (sd, path) in enumerate(zip(self.models, self.model_paths)):
             if list(sd) != list(first):
                 extra = next((k for k in sd if k not in first), None)
                 gone = next((k for k in first if k not in sd), None)
@@ -252,7 +307,7 @@ class TorchRanks:
     def _check_optims(self) -> None:
         assert self.optims is not None
         first = self.optims[0]
-        for r, (osd, path) in enumerate(zip(self.optims, self.files.optim or ())):
+        for r, (osd, path) in enumerate(zip(self.optims, self.optim_paths)):
             # FSDP1 keeps no state for a parameter with no elements on a rank: its entries may differ by rank.
             if self.kind == "fsdp2" and set(osd["state"]) != set(first["state"]):
                 raise CheckpointError(f"{path}: optimizer state of other parameters than rank 0's")

@@ -69,13 +69,22 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
-def wrapped(seed: int = 0, bf16: bool = False) -> Any:
-    """TiedLM under ``fully_shard``; ``bf16``: bf16 compute over fp32 shards (verl's mixed precision)."""
+def wrapped(seed: int = 0, bf16: bool = False, replicas: int = 1) -> Any:
+    """TiedLM under ``fully_shard``; ``bf16``: bf16 compute over fp32 shards (verl's mixed precision);
+    ``replicas`` > 1: HSDP, a 2-D mesh ``("ddp", "fsdp")`` of that many replicas (verl's ``fsdp_size``)."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = TiedLM()
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+    kw: Dict[str, Any] = {}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (replicas, dist.get_world_size() // replicas)
+        kw["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("ddp", "fsdp"))
     for b in model.blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)
@@ -129,12 +138,12 @@ def _save_rank_files(folder: str, model: Any, optim: Any, sched: Any, rank: int,
             json.dump({"vocab_size": VOCAB, "hidden_size": DIM}, f)
 
 
-def _train_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
+def _train_worker(rank: int, world: int, out: str, bf16: bool = False, replicas: int = 1) -> None:
     import numpy as np
 
     np.random.seed(rank)
     random.seed(rank)
-    model = wrapped(bf16=bf16)
+    model = wrapped(bf16=bf16, replicas=replicas)
     optim, sched = make_optimizer(model)
     for step in range(STEPS):
         _step(model, optim, sched, step, rank, world)
@@ -146,8 +155,8 @@ def _train_worker(rank: int, world: int, out: str, bf16: bool = False) -> None:
         torch.save(full["optim"], os.path.join(out, "ref", "full_optim.pt"))
 
 
-def build_fsdp2_run(out: str, world: int, bf16: bool = False) -> None:
-    run_world(_train_worker, world, out, bf16)
+def build_fsdp2_run(out: str, world: int, bf16: bool = False, replicas: int = 1) -> None:
+    run_world(_train_worker, world, out, bf16, replicas)
 
 
 def _torch_at_worker(rank: int, world: int, ref: str, out: str) -> None:
