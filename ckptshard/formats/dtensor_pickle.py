@@ -160,7 +160,7 @@ class DTensorWriter:
 
     def __init__(self, place: MeshPlace) -> None:
         self.place = place
-        self._meshes: Dict[int, NewObj] = {}
+        self._meshes: Dict[int, Tuple[Any, NewObj]] = {}  # by id of the template, which is kept alive here
 
     def __call__(self, fill: Any) -> Call:
         template = fill.pickled
@@ -206,9 +206,9 @@ class DTensorWriter:
         return out
 
     def _mesh(self, mesh: Any) -> NewObj:
-        made = self._meshes.get(id(mesh))
-        if made is not None:
-            return made
+        seen = self._meshes.get(id(mesh))
+        if seen is not None and seen[0] is mesh:
+            return seen[1]
         if not (isinstance(mesh, NewObj) and not mesh.args and isinstance(mesh.state, dict)):
             raise Unsupported("a DeviceMesh of another shape")
         world = _mesh_world(mesh.state)
@@ -218,5 +218,6 @@ class DTensorWriter:
             if rule is None:
                 raise Unsupported(f"DeviceMesh field {key}")
             state[key] = rule(value, self.place, world)
-        self._meshes[id(mesh)] = made = NewObj(mesh.cls, (), state)
+        made = NewObj(mesh.cls, (), state)
+        self._meshes[id(mesh)] = (mesh, made)
         return made
