@@ -149,6 +149,10 @@ def test_a_dtensor_without_its_source_pickle_is_left_to_torch():
 
     with pytest.raises(Unsupported, match="no source DTensor"):
         DTensorWriter(MeshPlace(3, 0))(Fill())
-    Fill.pickled = PickledDTensor((Global.of("torch.distributed.tensor", "DTensor"),), {"not": "(dict, slots)"})
+    dtensor = Global.of("torch.distributed.tensor", "DTensor")
+    Fill.pickled = PickledDTensor((dtensor,), (None, {}))
+    with pytest.raises(Unsupported, match="wrapper subclass call"):
+        DTensorWriter(MeshPlace(3, 0))(Fill())
+    Fill.pickled = PickledDTensor((dtensor, Global.of("torch", "float32"), (2,), (1,)), {"not": "(dict, slots)"})
     with pytest.raises(Unsupported, match="state"):
         DTensorWriter(MeshPlace(3, 0))(Fill())

@@ -29,7 +29,7 @@ from ..dtypes import dtype_name
 from ..layout.boxes import strides
 from .sharded_tensor_pickle import sharded_tensor_call
 from .torch_distributed import MeshPlace, PickledDTensor, TemplateTensor
-from .torch_names import NO_STATE, REBUILD_FROM_TYPE, REBUILD_WRAPPER, Call, Global, Literal, NewObj
+from .torch_names import NO_STATE, Call, Global, Literal, NewObj, rebuild_wrapper
 from .torch_pickle import Unsupported
 
 
@@ -166,13 +166,13 @@ class DTensorWriter:
         template = fill.pickled
         if not isinstance(template, PickledDTensor):
             raise Unsupported("no source DTensor pickle to follow")
+        if len(template.shell) < 4 or not isinstance(template.shell[0], Global):
+            raise Unsupported("a wrapper subclass call of another shape")
         if fill.sharded_tensor:
             return sharded_tensor_call(fill, template, self.place)
-        shell, state = template.shell, template.state
+        state = template.state
         if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
             raise Unsupported("a DTensor state other than (dict, slots)")
-        if len(shell) < 4 or not isinstance(shell[0], Global):
-            raise Unsupported("a wrapper subclass call of another shape")
         shape = tuple(fill.shape)
         stride = strides(shape)
         dtype = Global.of("torch", dtype_name(fill.local.dtype))
@@ -182,8 +182,7 @@ class DTensorWriter:
             raise Unsupported("a DTensorSpec of another shape")
         slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype))
         slots["_local_tensor"] = fill.local
-        args = (shell[0], dtype, shape, stride, *shell[4:])
-        return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, shell[0], args, (state[0], slots)))
+        return rebuild_wrapper(template.shell, dtype, shape, stride, (state[0], slots))
 
     def _spec_state(self, spec: Dict[str, Any], shape: Tuple[int, ...], stride: Tuple[int, ...], dtype: Global) -> Any:
         out: Dict[str, Any] = {}

@@ -17,7 +17,7 @@ from ..dtypes import Size, dtype_name
 from ..layout.boxes import strides
 from ..layout.dim_shards import chunk_sizes
 from .torch_distributed import MeshPlace, PickledDTensor
-from .torch_names import REBUILD_FROM_TYPE, REBUILD_WRAPPER, Call, Global, NewObj, RequiresGrad
+from .torch_names import Call, Global, NewObj, RequiresGrad, rebuild_wrapper
 from .torch_pickle import Unsupported
 
 
@@ -50,8 +50,7 @@ def sharded_tensor_call(fill: Any, template: PickledDTensor, place: MeshPlace) -
         spec = NewObj(parts.spec.cls, (), {"dim": 0, "placements": [s.state[1]["placement"] for s in shards]})
     else:
         spec = NewObj(parts.spec.cls, (), {"shards": shards})
-    args = (template.shell[0], dtype, shape, strides(shape), *template.shell[4:])
-    return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, template.shell[0], args, (local, meta, pg, spec, state[4])))
+    return rebuild_wrapper(template.shell, dtype, shape, strides(shape), (local, meta, pg, spec, state[4]))
 
 
 PG_FIELDS = ("local_rank", "global_rank", "local_world_size", "global_world_size")  # ShardedTensor.ProcessGroupState

@@ -40,6 +40,14 @@ REBUILD_FROM_TYPE = Global.of("torch._tensor", "_rebuild_from_type_v2")  # a ten
 REBUILD_WRAPPER = Global.of("torch._utils", "_rebuild_wrapper_subclass")
 
 
+def rebuild_wrapper(shell: tuple, dtype: Global, shape: Tuple[int, ...], stride: Tuple[int, ...], state: Any) -> Call:
+    """A tensor subclass's pickle (DTensor, ShardedTensor) from its template's ``_rebuild_wrapper_subclass``
+    arguments ``shell`` (class, dtype, size, stride, rest): class and rest kept, the others given, then its
+    state."""
+    args = (shell[0], dtype, shape, stride, *shell[4:])
+    return Call(REBUILD_FROM_TYPE, (REBUILD_WRAPPER, shell[0], args, state))
+
+
 class NewObj:
     """An instance of a torch class, pickled as protocol 2 pickles a plain object: NEWOBJ ``cls(*args)``
     (``cls.__new__`` only), then BUILD ``state`` unless it is :data:`NO_STATE`."""
