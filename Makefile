@@ -30,9 +30,12 @@ test: setup lint
 	$(BIN)/python -m pytest -q
 
 # tests/test_torch_range.py on each torch of TORCH_RANGE, in .venv-torch<version>.
+# RANGE_KEEP=0 removes each venv after its tests, so that one CUDA build at a time is on disk (CI).
+RANGE_KEEP ?= 1
 test-range:
 	for v in $(TORCH_RANGE); do scripts/torch_venv.sh $$v .venv-torch$$v && \
-	  .venv-torch$$v/bin/python -m pytest -q tests/test_torch_range.py || exit 1; done
+	  .venv-torch$$v/bin/python -m pytest -q tests/test_torch_range.py || exit 1; \
+	  [ "$(RANGE_KEEP)" = 1 ] || rm -rf .venv-torch$$v; done
 
 bench: setup
 	$(BIN)/pip install -q matplotlib
