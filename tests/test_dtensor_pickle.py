@@ -104,7 +104,8 @@ def test_a_1d_mesh_is_resized_and_its_rank_set():
     assert writer._mesh(_mesh()) is not made and writer._mesh(m := _mesh()) is writer._mesh(m)  # one per template
 
 
-def test_a_mesh_as_torch_2_6_pickles_it_is_resized_too():
+@pytest.mark.parametrize("torch_24", [False, True])
+def test_a_mesh_as_torch_2_6_pickles_it_is_resized_too(torch_24):
     state = {
         "device_type": "cpu",
         "mesh": TemplateTensor((2,), StoredDType("int32"), True),
@@ -115,11 +116,15 @@ def test_a_mesh_as_torch_2_6_pickles_it_is_resized_too():
         "_coordinate_on_dim": [0],
         "_hash": 1,
     }
+    if torch_24:  # 2.4 also records the mesh it was sliced from (None: a root mesh) and the creating thread
+        state.update(_parent_mesh=None, _thread_id=140542229216128)
     made = DTensorWriter(MeshPlace(3, 2))._mesh(
         NewObj(Global.of("torch.distributed.device_mesh", "DeviceMesh"), (), state)
     )
     assert made.state["_dim_group_infos"] == [("ptd:0", [0, 1, 2], "0")] and made.state["_coordinate_on_dim"] == [2]
     assert made.state["_flatten_mesh_list"] == (0, 1, 2) and made.state["mesh"].shape == (3,)
+    assert made.state["_thread_id"] == state["_thread_id"]  # kept: torch's own files keep the saver's
+    assert ("_parent_mesh" in made.state) == torch_24 and made.state.get("_parent_mesh") is None
     state["_dim_group_infos"] = [("ptd:0", [0, 1], "0"), ("ptd:1", [0], "1")]  # two mesh dimensions
     with pytest.raises(Unsupported):
         DTensorWriter(MeshPlace(3, 2))._mesh(
@@ -132,6 +137,7 @@ def test_a_mesh_as_torch_2_6_pickles_it_is_resized_too():
     [
         {"_coordinate_on_dim": (1, 0)},  # a 2-D mesh (HSDP)
         {"_root_mesh": _mesh()},  # sliced from a bigger mesh
+        {"_parent_mesh": _mesh()},  # the same, as torch 2.4 records it
         {"_flatten_rank_map": (2, 3)},  # not all ranks
         {"_rank_map": TemplateTensor((2, 2), StoredDType("int32"), True)},
         {"_some_new_field": 1},  # a torch release with a field not known here

@@ -229,20 +229,28 @@ def test_fsdp2_files_reshard_with_this_torch(tmp_path):
             assert torch.equal(local, want), (r, name)
 
 
+def _need_device_mesh(runs) -> None:
+    """Skip on a torch without DTensor or ``init_device_mesh`` (before 2.2), which these runs use; FSDP1 on
+    the CPU runs from there too (2.4 and newer tested)."""
+    try:
+        runs.dtensor_api()
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__}: no DTensor or init_device_mesh")
+
+
 NO_TORCH = "import sys, ckptshard; ckptshard.reshard(*sys.argv[1:3], 3, progress=False); print('torch' in sys.modules)"
 
 
 def test_dtensors_saved_by_this_torch_reshard_without_it_to_what_it_saves(tmp_path):
     """DTensors saved by this torch at 2 (its DeviceMesh's fields, which change between releases) reshard to 3
     without importing torch, into what this torch saves at 3: every field of every mesh, ``_hash`` aside."""
-    try:
-        from torch.distributed.tensor import DTensor  # noqa: F401
-    except ImportError:
-        pytest.skip(f"torch {torch.__version__}: no DTensor")
     import subprocess
     import sys
 
     from ckptshard.testing import torch_fsdp_runs
+
+    _need_device_mesh(torch_fsdp_runs)
 
     torch_fsdp_runs.save_dtensors(str(tmp_path / "at2"), 2)
     torch_fsdp_runs.save_dtensors(str(tmp_path / "at3"), 3)
@@ -259,14 +267,12 @@ def test_fsdp1_files_of_this_torch_reshard_without_it_to_what_it_saves(tmp_path)
     """A real FSDP1 run at 2 with this torch (SHARDED_STATE_DICT, raw optimizer state, as verl saves them)
     reshards to 3 without importing torch, into what FSDP1 at 3 of this torch saves after loading the full
     state: ShardedTensor metadata, sharding spec and local shards, every optimizer tensor."""
-    try:
-        from torch.distributed.tensor import DTensor  # noqa: F401
-    except ImportError:
-        pytest.skip(f"torch {torch.__version__}: FSDP1 on the CPU is newer")
     import subprocess
     import sys
 
     from ckptshard.testing import torch_fsdp_runs
+
+    _need_device_mesh(torch_fsdp_runs)
 
     torch_fsdp_runs.build_fsdp1_run(str(tmp_path / "at2"), 2)
     torch_fsdp_runs.fsdp1_torch_at(str(tmp_path / "at2" / "ref"), str(tmp_path / "at3"), 3)

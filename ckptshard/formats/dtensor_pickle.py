@@ -114,13 +114,14 @@ def _when(ok: Callable[[Any], bool], what: str) -> Callable[[Any, MeshPlace, int
 _DIM_NAMES = _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names")
 
 # DeviceMesh fields and how each follows the rank and world size. torch pickles the mesh's __dict__: 2.13 and
-# 2.15 a layout and a rank map (the first group below), 2.6 and 2.8 a mesh tensor (the second) with
-# process-group infos (2.6) or names (2.8).
+# 2.15 a layout and a rank map (the first group below), 2.4 to 2.8 a mesh tensor (the second) with
+# process-group infos (2.4, 2.6) or names (2.8).
 MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_device_type": _keep,
     "_thread_id": _keep,
     "_mesh_dim_names": _DIM_NAMES,
     "_root_mesh": _when(lambda v: v is None, "_root_mesh (a mesh sliced from another)"),
+    "_parent_mesh": _when(lambda v: v is None, "_parent_mesh (a mesh sliced from another)"),  # 2.4's _root_mesh
     "_flatten_mapping": _when(lambda v: v == {}, "_flatten_mapping"),
     "_preserve_rank_order": _when(lambda v: isinstance(v, bool), "_preserve_rank_order"),  # 2.15: a creation option
     "_dim_group_names": _when(lambda v: isinstance(v, list) and len(v) == 1, "_dim_group_names (a 1-D mesh)"),

@@ -390,12 +390,27 @@ def fsdp1_step_from(folder: str, out: str, world: int, bf16: bool = False) -> No
     run_world(_fsdp1_step_worker, world, folder, out, bf16)
 
 
+def dtensor_api() -> Any:
+    """The module holding DTensor, Shard and distribute_tensor: ``torch.distributed.tensor`` from torch
+    2.5, ``torch.distributed._tensor`` before (where 2.0-2.4 keep it). ImportError where neither has it."""
+    import importlib
+
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "DTensor"):
+            return module
+    raise ImportError(f"torch {torch.__version__} has no DTensor")
+
+
 def assert_same_state(got: Any, want: Any, where: str = "") -> None:
     """``got`` equals ``want`` as FSDP saves them: tensors ``torch.equal``; a DTensor's local tensor, shape,
     stride, placements and spec too, and every field of its pickled DeviceMesh (its rank, coordinate, rank
-    map, layout...), not only the mesh's ``==``; ``_hash`` aside (a hash of process-local strings,
-    computed again on use)."""
-    from torch.distributed.tensor import DTensor
+    map, layout...), not only the mesh's ``==``; ``_hash`` and ``_thread_id`` aside (process-local: a hash
+    computed again on use, and the creating thread's id, which torch 2.4 records and every process differs in)."""
+    DTensor = dtensor_api().DTensor
 
     if isinstance(want, DTensor):
         assert isinstance(got, DTensor), where
@@ -406,7 +421,7 @@ def assert_same_state(got: Any, want: Any, where: str = "") -> None:
         g, w = vars(got.device_mesh), vars(want.device_mesh)
         assert set(g) == set(w), (where, set(g) ^ set(w))
         for k in w:
-            if k != "_hash":
+            if k not in ("_hash", "_thread_id"):
                 same = (
                     torch.equal(g[k], w[k]) and g[k].dtype == w[k].dtype
                     if isinstance(w[k], torch.Tensor)
@@ -429,8 +444,9 @@ def assert_same_state(got: Any, want: Any, where: str = "") -> None:
 
 def _dtensors_worker(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
 
+    api = dtensor_api()
+    Shard, distribute_tensor = api.Shard, api.distribute_tensor
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     full = {"w": torch.randn(5, 3), "b": torch.randn(2), "one": torch.randn(1, 4)}
