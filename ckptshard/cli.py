@@ -346,6 +346,21 @@ def consolidate(
     help="Model-parallel parts to write (metaseq's model_part-K-shardR; default: as many as SRC has). Another "
     "number joins the parts and cuts them again by --mp-rule/--mp-rules.",
 )
+@click.option(
+    "--shard-group",
+    default=None,
+    type=click.IntRange(1),
+    help="torch FSDP2 files: the ranks each parameter is sharded over. Below --world-size writes HSDP's files "
+    "(world-size / shard-group replicas on a 2-D mesh, verl's fsdp_size); equal to it, plain FSDP2. "
+    "Default: an HSDP source's own group size, else --world-size.",
+)
+@click.option(
+    "--mesh-dim-names",
+    default=None,
+    help="torch FSDP2 files: the new device mesh's dimension names, comma-separated, as your training code names "
+    "them (verl: fsdp, or ddp,fsdp for HSDP); torch loads a DTensor only into a parameter on the same mesh. "
+    "Default: the source's.",
+)
 @mp_rule_options
 @common_no_fsync
 @common_overwrite
@@ -361,6 +376,8 @@ def reshard(
     no_optimizer: bool,
     like: Optional[str],
     model_parallel: Optional[int],
+    shard_group: Optional[int],
+    mesh_dim_names: Optional[str],
     mp_rules: tuple,
     mp_presets: tuple,
     mp_tolerance: float,
@@ -390,6 +407,8 @@ def reshard(
             mp_rules=mp_rules,
             mp_presets=mp_presets,
             mp_tolerance=mp_tolerance,
+            shard_group=shard_group,
+            mesh_dim_names=mesh_dim_names.split(",") if mesh_dim_names is not None else None,
         ),
     )
     if _leads():

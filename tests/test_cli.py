@@ -66,6 +66,8 @@ def test_consolidate_and_reshard_commands(fixtures, tmp_path):
         (["consolidate", "{fx}/fairseq", "-o", "{fx}/fairseq/checkpoint_last-shard0.pt"], "overwrite the input"),
         (["reshard", "{fx}/fairseq", "-n", "0", "-o", "{tmp}/r"], "--world-size must be >= 1"),
         (["consolidate", "{fx}/fairseq", "-o", "{tmp}/no/such/dir/x.pt"], "does not exist"),
+        (["reshard", "{fx}/fairseq", "-n", "4", "--shard-group", "2", "-o", "{tmp}/r"], "for torch FSDP2 per-rank"),
+        (["reshard", "{fx}/fairseq", "-n", "4", "--mesh-dim-names", "fsdp", "-o", "{tmp}/r"], "for torch FSDP2"),
     ],
 )
 def test_errors_are_one_line_with_exit_2(fixtures, tmp_path, args, needle):

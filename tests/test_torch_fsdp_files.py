@@ -130,7 +130,7 @@ def hsdp_run(cache_root):
 
 def test_hsdp_files_consolidate_and_convert_to_the_full_state(hsdp_run, tmp_path):
     """Replica 0's shards are the checkpoint: consolidated they are torch's full model and optimizer state;
-    the DCP loads into FSDP2 at 2 (one dimension) with both. Resharding is refused in one line."""
+    the DCP loads into FSDP2 at 2 (one dimension) with both."""
     assert ckptshard.inspect_checkpoint(str(hsdp_run))["hsdp"] == [2, 2]
     ckptshard.consolidate(str(hsdp_run), str(tmp_path / "full.pt"), optimizer=True, progress=False)
     want_model, want_optim = _load(hsdp_run / "ref" / "full_model.pt"), _load(hsdp_run / "ref" / "full_optim.pt")
@@ -141,9 +141,6 @@ def test_hsdp_files_consolidate_and_convert_to_the_full_state(hsdp_run, tmp_path
     loaded = _load(tmp_path / "loaded.pt")
     _assert_equal(loaded["model"], want_model, "dcp model")
     _assert_equal(loaded["optim"], want_optim, "dcp optim")
-    with pytest.raises(CheckpointError, match=r"HSDP files \(2 replicas x 2 shards\); resharding them is not"):
-        ckptshard.reshard(str(hsdp_run), str(tmp_path / "out"), 2, progress=False)
-    assert not (tmp_path / "out").exists()
 
 
 def test_hsdp_files_that_are_not_one_mesh_are_refused(hsdp_run, tmp_path):
@@ -153,6 +150,67 @@ def test_hsdp_files_that_are_not_one_mesh_are_refused(hsdp_run, tmp_path):
     with pytest.raises(CheckpointError, match=r"are not one 2 x 2 mesh of 4 ranks"):
         ckptshard.consolidate(str(src), str(tmp_path / "full.pt"), progress=False)
     assert not (tmp_path / "full.pt").exists()
+
+
+def _same_files(got, want, world):
+    for r in range(world):
+        for kind in ("model", "optim"):
+            name = f"{kind}_world_size_{world}_rank_{r}.pt"
+            torch_fsdp_runs.assert_same_state(
+                torch.load(got / name, weights_only=False), torch.load(want / name, weights_only=False), name
+            )
+
+
+@pytest.mark.parametrize(
+    "world, group, replicas, names",
+    [
+        (6, None, 3, None),  # the source's group of 2 kept: 3 replicas
+        (3, 3, 1, ("fsdp",)),  # one shard group: plain FSDP2, its mesh named as verl names it
+    ],
+)
+def test_hsdp_files_reshard_to_what_fsdp2_saves_on_that_mesh(hsdp_run, tmp_path, world, group, replicas, names):
+    """HSDP 2 x 2 resharded equals, file for file (every DeviceMesh field, every optimizer tensor), what FSDP2
+    on the new mesh saves after loading the full state; one more step resumed from each with verl's calls is
+    equal."""
+    ckptshard.reshard(str(hsdp_run), str(tmp_path / "ours"), world, progress=False, shard_group=group)
+    torch_fsdp_runs.torch_at(str(hsdp_run / "ref"), str(tmp_path / "torch"), world, replicas, names)
+    _same_files(tmp_path / "ours", tmp_path / "torch", world)
+    if world == 3:
+        torch_fsdp_runs.step_from(str(tmp_path / "ours"), str(tmp_path / "a.pt"), world, replicas, names)
+        torch_fsdp_runs.step_from(str(tmp_path / "torch"), str(tmp_path / "b.pt"), world, replicas, names)
+        _assert_equal(_load(tmp_path / "a.pt"), _load(tmp_path / "b.pt"), "step")
+    config = json.loads((tmp_path / "ours" / "fsdp_config.json").read_text())
+    assert config["world_size"] == world
+
+
+def test_fsdp2_files_reshard_to_hsdp_and_back(runs, hsdp_run, tmp_path):
+    """FSDP2 at 3 to HSDP 2 x 2 (--shard-group 2, the mesh named as the training code names it) equals FSDP2's
+    own HSDP files; and back to one dimension, named as a 1-D verl mesh, equals FSDP2's at 3 on that mesh.
+    A chain through HSDP equals the direct reshard."""
+    ckptshard.reshard(
+        str(runs[3]), str(tmp_path / "h"), 4, progress=False, shard_group=2, mesh_dim_names=["ddp", "fsdp"]
+    )
+    torch_fsdp_runs.torch_at(str(runs[3] / "ref"), str(tmp_path / "th"), 4, replicas=2)
+    _same_files(tmp_path / "h", tmp_path / "th", 4)
+    ckptshard.reshard(str(tmp_path / "h"), str(tmp_path / "back"), 3, progress=False, shard_group=3)
+    ckptshard.reshard(str(runs[3]), str(tmp_path / "direct"), 3, progress=False, mesh_dim_names=["fsdp"])
+    torch_fsdp_runs.torch_at(str(runs[3] / "ref"), str(tmp_path / "t3"), 3, names=("fsdp",))
+    _same_files(tmp_path / "back", tmp_path / "t3", 3)
+    _same_files(tmp_path / "direct", tmp_path / "t3", 3)
+
+
+@pytest.mark.parametrize(
+    "world, kw, match",
+    [
+        (3, {}, r"sharded over groups of 2 ranks, and 3 ranks are not a multiple of 2: pass --shard-group"),
+        (6, {"shard_group": 4}, r"--shard-group 4 does not divide --world-size 6"),
+        (4, {"mesh_dim_names": ["fsdp"]}, r"--mesh-dim-names fsdp: the mesh at 4 ranks has 2 dimension"),
+    ],
+)
+def test_hsdp_reshard_refusals(hsdp_run, tmp_path, world, kw, match):
+    with pytest.raises(CheckpointError, match=match):
+        ckptshard.reshard(str(hsdp_run), str(tmp_path / "out"), world, progress=False, **kw)
+    assert not (tmp_path / "out").exists()
 
 
 def test_plain_per_rank_files_without_verl_names(runs, tmp_path):
@@ -232,6 +290,12 @@ def test_fsdp1_sharded_state_dict_consolidates_to_its_full_state_dict(fsdp1_runs
     ckptshard.consolidate(str(fsdp1_runs[w]), str(tmp_path / "full.pt"), progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), _load(fsdp1_runs[w] / "ref" / "full_model.pt"), "model")
     assert ckptshard.inspect_checkpoint(str(fsdp1_runs[w]))["kind"] == "fsdp1"
+
+
+def test_fsdp1_files_are_not_resharded_to_hsdp(fsdp1_runs, tmp_path):
+    with pytest.raises(CheckpointError, match=r"FSDP1 files; --shard-group below the world size \(HSDP\) is FSDP2"):
+        ckptshard.reshard(str(fsdp1_runs[2]), str(tmp_path / "out"), 4, progress=False, shard_group=2)
+    assert not (tmp_path / "out").exists()
 
 
 def test_fsdp1_weights_convert_to_a_dcp_fsdp2_loads(fsdp1_runs, tmp_path):

@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
-from ..formats.torch_distributed import MeshPlace
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.inputs import watched
@@ -19,7 +18,14 @@ from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.model_parallel import MpRule, rules_from
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
-from ..plan.torch_ranks import Fsdp1Optimizer, LocalReshard, resharded_model, resharded_optimizer
+from ..plan.torch_ranks import (
+    Fsdp1Optimizer,
+    LocalReshard,
+    TargetMesh,
+    resharded_model,
+    resharded_optimizer,
+    shard_group,
+)
 from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
@@ -176,6 +182,8 @@ def reshard(
     mp_rules: Sequence[str] = (),
     mp_presets: Sequence[str] = (),
     mp_tolerance: float = DEFAULT_TOLERANCE,
+    shard_group: Optional[int] = None,
+    mesh_dim_names: Optional[Sequence[str]] = None,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
 
@@ -196,6 +204,12 @@ def reshard(
         model_parallel, mp_rules, mp_presets, mp_tolerance: for several model-parallel parts, the number of
             parts to write (default: as many as there are); another number needs the rules that say which
             tensors tensor parallelism split (see ``consolidate``).
+        shard_group: for torch FSDP2 files, the ranks each parameter is sharded over: fewer than
+            ``world_size`` writes HSDP's files (``world_size // shard_group`` replicas, verl's ``fsdp_size``).
+            Default: an HSDP source's own group size, else ``world_size``.
+        mesh_dim_names: for torch FSDP2 files, the names of the new device mesh's dimensions, as the training
+            code names them (torch loads a DTensor only into a parameter on the same mesh). Default: the
+            source's (see ``docs/torch-fsdp.md``).
 
     Returns:
         ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes), ``notes``
@@ -210,7 +224,9 @@ def reshard(
     _check_world_size(world_size)
     ranks = open_torch_ranks_like(src, like, trust_pickles)
     if ranks is not None:
-        return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer)
+        return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer, shard_group, mesh_dim_names)
+    if shard_group is not None or mesh_dim_names is not None:
+        raise CheckpointError(f"{src}: --shard-group and --mesh-dim-names are for torch FSDP2 per-rank files")
     parts = find_model_parts(src)
     rules = rules_from(mp_rules, mp_presets)
     if parts is not None:
@@ -376,7 +392,14 @@ def shard(
 
 
 def reshard_ranks(
-    ranks: TorchRanks, dst: str, world: int, overwrite: bool, progress: bool, optimizer: bool
+    ranks: TorchRanks,
+    dst: str,
+    world: int,
+    overwrite: bool,
+    progress: bool,
+    optimizer: bool,
+    group: Optional[int] = None,
+    dim_names: Optional[Sequence[str]] = None,
 ) -> ReshardResult:
     """torch FSDP2 or FSDP1 per-rank files at ``world`` ranks, named and laid out as the source's.
 
@@ -388,17 +411,17 @@ def reshard_ranks(
     FSDP1 at world size 1 runs NO_SHARD: plain tensors, each moment in its
     parameter's shape, both ways (which of its plain tensors are parameters,
     the optimizer's moments tell: ``TorchRanks``).
+    HSDP (``group`` below ``world``, or an HSDP source's default): rank r
+    holds shard ``r % group`` of FSDP2 at ``group``, replicated on a 2-D mesh
+    (``TargetMesh``); torch pickles that mesh.
     verl's ``extra_state`` files (LR scheduler, RNG states) are copied byte
     for byte, never unpickled: new rank r gets old rank ``r % M``'s.
     ``fsdp_config.json`` gets the new world size; the folder's other
     entries (``huggingface/``) are copied.
     """
     ranks.require_params()
-    if ranks.hsdp is not None:
-        raise CheckpointError(
-            f"{ranks.files.folder}: HSDP files ({ranks.hsdp[0]} replicas x {ranks.hsdp[1]} shards); resharding them "
-            "is not supported: consolidate them, or convert --to dcp, which FSDP2 loads at any mesh"
-        )
+    group = shard_group(ranks, world, group)
+    mesh = TargetMesh(ranks, world, group, dim_names)
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
     files = ranks.files
@@ -421,22 +444,22 @@ def reshard_ranks(
         elif local is not None:
             trees = {"model": local.rank(r)}
         else:
-            trees = {"model": resharded_model(ranks, world, r, wholes)}
+            trees = {"model": resharded_model(ranks, group, mesh.shard_rank(r), wholes)}
         if fsdp1 is not None:
             trees["optim"] = fsdp1.rank(r)
         elif local is not None and with_optim:
             trees["optim"] = local.optimizer(r)
         elif with_optim:
-            trees["optim"] = resharded_optimizer(ranks, world, r, wholes)
-        return trees
+            trees["optim"] = resharded_optimizer(ranks, group, mesh.shard_rank(r), wholes)
+        return mesh.placed(trees)
 
     planned = PlannedFiles(rank_trees, world)  # rank 0's plan runs every check; the others, as written
     per_rank = planned.nbytes
-    extra = sum(os.path.getsize(p) for p in files.extra or ())
+    extra = max((os.path.getsize(p) for p in files.extra or ()), default=0)  # each new rank copies one
     carried = sum(_disk_size(os.path.join(files.folder, n)) for n in files.carried())
     bound = world * (sum(torch_file_size_bound(t) for t in planned.first.values()) + 3 * MANIFEST_ENTRY)
-    check_space(dst, bound + extra * (-(-world // ranks.world_size)) + carried)
-    desc = f"reshard {ranks.world_size}->{world}"
+    check_space(dst, bound + extra * world + carried)
+    desc = f"reshard {_mesh_text(ranks.hsdp or (1, ranks.world_size))}->{_mesh_text((mesh.replicas, group))}"
     names: List[str] = []
     digests: Dict[str, str] = {}
     with (
@@ -446,7 +469,7 @@ def reshard_ranks(
         Hashes() as hashes,
     ):
         for r in range(world):
-            place = None if no_shard else MeshPlace(world, r)
+            place = None if no_shard else mesh.place(r)
             for kind, tree in planned.tree(r).items():
                 name = files.name_of(kind, r, world)
                 write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, place)
@@ -454,12 +477,17 @@ def reshard_ranks(
                 names.append(name)
             if files.extra:
                 name = files.name_of("extra_state", r, world)
-                shutil.copyfile(files.extra[r % ranks.world_size], os.path.join(tmp, name))
+                shutil.copyfile(files.extra[r % len(files.extra)], os.path.join(tmp, name))
                 names.append(name)
         names += _carry(files, tmp, world)
         manifest = build_manifest(tmp, names, ranks_source_info(ranks), "reshard", None, digests)
         write_json(os.path.join(tmp, MANIFEST), manifest)
     return ReshardResult(dst, names, per_rank * world)
+
+
+def _mesh_text(mesh: Tuple[int, int]) -> str:
+    """``3`` for FSDP2's 1-D mesh, ``2x3`` for HSDP's replicas x shards."""
+    return f"{mesh[0]}x{mesh[1]}" if mesh[0] > 1 else str(mesh[1])
 
 
 def _disk_size(path: str) -> int:

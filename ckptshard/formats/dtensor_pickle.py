@@ -23,7 +23,7 @@ No I/O and no torch here.
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..dtypes import dtype_name
 from ..layout.boxes import strides
@@ -111,7 +111,11 @@ def _when(ok: Callable[[Any], bool], what: str) -> Callable[[Any, MeshPlace, int
     return keep
 
 
-_DIM_NAMES = _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(v) == 1), "dim names")
+def _dim_names(value: Any, place: MeshPlace, world: int) -> Any:
+    """The 1-D mesh's name as the output's place says (the source's, or the user's): a tuple, or None."""
+    _require(value is None or (isinstance(value, (tuple, list)) and len(value) == 1), "dim names")
+    return tuple(place.dim_names) if place.dim_names else None
+
 
 # DeviceMesh fields and how each follows the rank and world size. torch pickles the mesh's __dict__: 2.13 and
 # 2.15 a layout and a rank map (the first group below), 2.4 to 2.8 a mesh tensor (the second) with
@@ -119,7 +123,7 @@ _DIM_NAMES = _when(lambda v: v is None or (isinstance(v, (tuple, list)) and len(
 MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_device_type": _keep,
     "_thread_id": _keep,
-    "_mesh_dim_names": _DIM_NAMES,
+    "_mesh_dim_names": _dim_names,
     "_root_mesh": _when(lambda v: v is None, "_root_mesh (a mesh sliced from another)"),
     "_parent_mesh": _when(lambda v: v is None, "_parent_mesh (a mesh sliced from another)"),  # 2.4's _root_mesh
     "_flatten_mapping": _when(lambda v: v == {}, "_flatten_mapping"),
@@ -133,7 +137,7 @@ MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_hash": _none,
     "device_type": _keep,
     "mesh": _rank_tensor,
-    "mesh_dim_names": _DIM_NAMES,
+    "mesh_dim_names": _dim_names,
     "_flatten_mesh_list": _flat_ranks,
     "_dim_group_infos": _group_infos,
 }
@@ -144,6 +148,19 @@ SPEC_FIELDS = {"placements", "shard_order", "use_strided_shard_as_shard_order"}
 def _require(ok: bool, what: str) -> None:
     if not ok:
         raise Unsupported(f"a DeviceMesh with another {what} than a 1-D mesh over all ranks")
+
+
+def mesh_dim_names(template: Any) -> Optional[Tuple[str, ...]]:
+    """The mesh dimension names a source DTensor's pickle records (verl's FSDP2: ``("fsdp",)``, HSDP:
+    ``("ddp", "fsdp")``); None where it records none."""
+    state = template.state if isinstance(template, PickledDTensor) else None
+    slots = state[1] if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) else {}
+    spec = slots.get("_spec")
+    mesh = spec.state.get("mesh") if isinstance(spec, NewObj) and isinstance(spec.state, dict) else None
+    fields = mesh.state if isinstance(mesh, NewObj) and isinstance(mesh.state, dict) else {}
+    names = fields.get("_mesh_dim_names", fields.get("mesh_dim_names"))
+    ok = isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
+    return tuple(names) if ok else None
 
 
 def _mesh_world(state: Dict[str, Any]) -> int:
@@ -171,6 +188,8 @@ class DTensorWriter:
             raise Unsupported("a wrapper subclass call of another shape")
         if fill.sharded_tensor:
             return sharded_tensor_call(fill, template, self.place)
+        if len(self.place.mesh_shape) > 1:
+            raise Unsupported("an HSDP mesh to write (2-D): its process-group fields are torch's to pickle")
         state = template.state
         if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
             raise Unsupported("a DTensor state other than (dict, slots)")
@@ -181,6 +200,9 @@ class DTensorWriter:
         spec = slots.get("_spec")
         if not isinstance(spec, NewObj) or not isinstance(spec.state, dict) or spec.args:
             raise Unsupported("a DTensorSpec of another shape")
+        kept = spec.state.get("placements")
+        if not isinstance(kept, (tuple, list)) or len(kept) != len(fill.placements):
+            raise Unsupported("placements over another number of mesh dimensions than the source's")
         slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype))
         slots["_local_tensor"] = fill.local
         return rebuild_wrapper(template.shell, dtype, shape, stride, (state[0], slots))

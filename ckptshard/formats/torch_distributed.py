@@ -221,7 +221,14 @@ class PickledDTensor:
 
 @dataclass(frozen=True)
 class MeshPlace:
-    """Rank ``rank`` of a 1-D device mesh of ``world`` ranks: where an output file's DTensors live."""
+    """Rank ``rank`` of ``world`` ranks in the device mesh an output file's DTensors live on: 1-D (FSDP2), or
+    ``shape`` ``(replicas, shards)`` (HSDP); ``dim_names`` as ``init_device_mesh``'s ``mesh_dim_names``."""
 
     world: int
     rank: int
+    shape: Tuple[int, ...] = ()
+    dim_names: Optional[Tuple[str, ...]] = None
+
+    @property
+    def mesh_shape(self) -> Tuple[int, ...]:
+        return self.shape or (self.world,)

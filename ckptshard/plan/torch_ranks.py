@@ -11,13 +11,17 @@ parameters, ``step`` is a plain tensor.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
+from ..formats.dtensor_pickle import mesh_dim_names
+from ..formats.torch_distributed import MeshPlace
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..layout.fsdp1_flat import ALIGNS, FlatUnits, Slices, find_units, flat_offsets, same_at
 from ..read.torch_ranks import TorchRanks, assemble, flat_prefix, rank_slices
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
+from ..tree import map_leaves
 
 
 def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
@@ -81,6 +85,77 @@ def resharded_optimizer(ranks: TorchRanks, world: int, rank: int, wholes: Option
     for pid, entry in first["state"].items():
         state[pid] = {k: plan.value([o["state"][pid][k] for o in ranks.optims]) for k in entry}
     return _optimizer_file(first, state)
+
+
+def shard_group(ranks: TorchRanks, world: int, group: Optional[int]) -> int:
+    """The ranks each parameter is sharded over at ``world`` (``--shard-group``): ``world`` for FSDP2, fewer
+    for HSDP (``world // group`` replicas, verl's ``fsdp_size``). By default an HSDP source's own group size,
+    else ``world``."""
+    where = ranks.files.folder
+    if group is None:
+        if ranks.hsdp is None:
+            return world
+        group = ranks.hsdp[1]
+        if world % group:
+            raise CheckpointError(
+                f"{where}: HSDP files sharded over groups of {group} ranks, and {world} ranks are not a multiple "
+                f"of {group}: pass --shard-group (the ranks a parameter is sharded over; {world} for no replicas)"
+            )
+        return group
+    if group < 1 or world % group:
+        raise CheckpointError(f"--shard-group {group} does not divide --world-size {world}")
+    if group < world and ranks.kind != "fsdp2":
+        raise CheckpointError(f"{where}: FSDP1 files; --shard-group below the world size (HSDP) is FSDP2's")
+    return group
+
+
+class TargetMesh:
+    """The device mesh FSDP2 at ``world`` ranks keeps rank r's DTensors on: 1-D, or HSDP's
+    ``(world // group, group)``, replicated over the first dimension and sharded over the second, where
+    rank r holds piece ``r % group``. Its dimensions are named ``names``, which must be the names the
+    training code gives its mesh (torch refuses to load a DTensor into a parameter of another mesh);
+    by default the source's (a 1-D source's name second under a new ``"ddp"``, as verl names them; an
+    HSDP source's second alone for a 1-D mesh)."""
+
+    def __init__(self, ranks: TorchRanks, world: int, group: int, names: Optional[Sequence[str]] = None) -> None:
+        self.world, self.group, self.replicas = world, group, world // group
+        dims = 2 if self.replicas > 1 else 1
+        if names is not None:
+            if len(names) != dims or not all(names):
+                raise CheckpointError(
+                    f"--mesh-dim-names {','.join(names)}: the mesh at {world} ranks has {dims} dimension(s) "
+                    f"({'replicas, shards' if dims == 2 else 'shards'})"
+                )
+            self.dim_names: Optional[Tuple[str, ...]] = tuple(names)
+            return
+        first = next((v for v in ranks.models[0].values() if isinstance(v, DTensorRef)), None)
+        kept = mesh_dim_names(first.pickled) if first is not None else None
+        if dims == 1:
+            self.dim_names = kept[-1:] if kept else None
+        else:
+            self.dim_names = kept if kept and len(kept) == 2 else ("ddp", kept[-1]) if kept else None
+
+    def shard_rank(self, rank: int) -> int:
+        return rank % self.group
+
+    def place(self, rank: int) -> MeshPlace:
+        return MeshPlace(self.world, rank, (self.replicas, self.group) if self.replicas > 1 else (), self.dim_names)
+
+    def placed(self, tree: Any) -> Any:
+        """``tree``'s DTensors of one shard group, replicated over HSDP's first mesh dimension (a tie stays
+        one object); as it is without replicas."""
+        if self.replicas == 1:
+            return tree
+        done: Dict[int, DTensorFill] = {}
+
+        def put(x: Any) -> Any:
+            if not isinstance(x, DTensorFill):
+                return x
+            if id(x) not in done:
+                done[id(x)] = replace(x, placements=(("replicate", -1), *x.placements))
+            return done[id(x)]
+
+        return map_leaves(tree, put)
 
 
 def _optimizer_file(first: Dict[str, Any], state: Dict[Any, Dict[str, Any]]) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -69,9 +69,10 @@ class TiedLM(nn.Module):
         return self.head(x)
 
 
-def wrapped(seed: int = 0, bf16: bool = False, replicas: int = 1) -> Any:
+def wrapped(seed: int = 0, bf16: bool = False, replicas: int = 1, names: Optional[Tuple[str, ...]] = None) -> Any:
     """TiedLM under ``fully_shard``; ``bf16``: bf16 compute over fp32 shards (verl's mixed precision);
-    ``replicas`` > 1: HSDP, a 2-D mesh ``("ddp", "fsdp")`` of that many replicas (verl's ``fsdp_size``)."""
+    ``replicas`` > 1: HSDP, a 2-D mesh ``("ddp", "fsdp")`` of that many replicas (verl's ``fsdp_size``);
+    ``names``: a 1-D mesh with these dimension names (verl's ``("fsdp",)``), not fully_shard's unnamed one."""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -85,6 +86,10 @@ def wrapped(seed: int = 0, bf16: bool = False, replicas: int = 1) -> Any:
 
         shape = (replicas, dist.get_world_size() // replicas)
         kw["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("ddp", "fsdp"))
+    elif names:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kw["mesh"] = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=names)
     for b in model.blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)
@@ -159,10 +164,10 @@ def build_fsdp2_run(out: str, world: int, bf16: bool = False, replicas: int = 1)
     run_world(_train_worker, world, out, bf16, replicas)
 
 
-def _torch_at_worker(rank: int, world: int, ref: str, out: str) -> None:
+def _torch_at_worker(rank: int, world: int, ref: str, out: str, replicas: int, names: Any) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    model = wrapped(seed=7)  # other initial values: loading must overwrite them all
+    model = wrapped(seed=7, replicas=replicas, names=names)  # other initial values: loading must overwrite them
     optim, _ = make_optimizer(model)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     set_model_state_dict(model, torch.load(os.path.join(ref, "full_model.pt"), weights_only=True), options=opts)
@@ -173,16 +178,17 @@ def _torch_at_worker(rank: int, world: int, ref: str, out: str) -> None:
     torch.save(optim.state_dict(), os.path.join(out, f"optim_world_size_{world}_rank_{rank}.pt"))
 
 
-def torch_at(ref: str, out: str, world: int) -> None:
-    """torch's own per-rank files at ``world``, from the full reference state in folder ``ref``."""
+def torch_at(ref: str, out: str, world: int, replicas: int = 1, names: Optional[Tuple[str, ...]] = None) -> None:
+    """torch's own per-rank files at ``world`` (mesh as :func:`wrapped` makes it), from the full reference
+    state in folder ``ref``."""
     os.makedirs(out, exist_ok=True)
-    run_world(_torch_at_worker, world, ref, out)
+    run_world(_torch_at_worker, world, ref, out, replicas, names)
 
 
-def _step_worker(rank: int, world: int, folder: str, out: str) -> None:
+def _step_worker(rank: int, world: int, folder: str, out: str, replicas: int, names: Any) -> None:
     import torch.distributed.tensor
 
-    model = wrapped(seed=7)
+    model = wrapped(seed=7, replicas=replicas, names=names)
     optim, sched = make_optimizer(model)
     _load_rank_files(model, optim, folder, rank, world)
     _step(model, optim, sched, STEPS, rank, world)
@@ -199,9 +205,10 @@ def _load_rank_files(model: Any, optim: Any, folder: str, rank: int, world: int)
         target.load_state_dict(torch.load(path, weights_only=False))
 
 
-def step_from(folder: str, out: str, world: int) -> None:
-    """Resume per-rank files at ``world`` as verl does, one more step; the full state after it, to ``out``."""
-    run_world(_step_worker, world, folder, out)
+def step_from(folder: str, out: str, world: int, replicas: int = 1, names: Optional[Tuple[str, ...]] = None) -> None:
+    """Resume per-rank files at ``world`` (mesh as :func:`wrapped` makes it) as verl does, one more step;
+    the full state after it, to ``out``."""
+    run_world(_step_worker, world, folder, out, replicas, names)
 
 
 def _dcp_worker(rank: int, world: int, folder: str, out: str) -> None:

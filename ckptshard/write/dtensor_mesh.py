@@ -11,15 +11,22 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import chunk_sizes
 
 
 @contextlib.contextmanager
-def fake_mesh(world: int, rank: int, dtensors: bool = True) -> Iterator[Any]:
-    """The 1-D CPU DeviceMesh of ``rank`` among ``world``, under a fake process group torn down on exit.
+def fake_mesh(
+    world: int,
+    rank: int,
+    dtensors: bool = True,
+    shape: Optional[Tuple[int, ...]] = None,
+    dim_names: Optional[Tuple[str, ...]] = None,
+) -> Iterator[Any]:
+    """The CPU DeviceMesh of ``rank`` among ``world`` (1-D, or of ``shape``, its dimensions named
+    ``dim_names``), under a fake process group torn down on exit.
 
     ``dtensors=False`` (FSDP1's ShardedTensors only) leaves ``torch.distributed.tensor`` unimported.
     """
@@ -50,7 +57,7 @@ def fake_mesh(world: int, rank: int, dtensors: bool = True) -> Iterator[Any]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with _dynamo_left_unimported(*constructors):
-            yield init_device_mesh("cpu", (world,))
+            yield init_device_mesh("cpu", shape or (world,), mesh_dim_names=dim_names)
     finally:
         dist.destroy_process_group()
 

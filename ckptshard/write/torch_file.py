@@ -244,7 +244,7 @@ def _torch_skeleton(
         return _torch_layout(path, tree, trust_pickles, None)
     if place is None:
         raise AssertionError("a DTensorFill needs a place in a mesh")
-    with fake_mesh(place.world, place.rank, dtensors=False in kinds) as mesh:
+    with fake_mesh(place.world, place.rank, False in kinds, place.mesh_shape, place.dim_names) as mesh:
         return _torch_layout(path, tree, trust_pickles, mesh)
 
 
