@@ -320,6 +320,10 @@ def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str
             [*cli, "consolidate", src, "-o", merged, "-q", "--no-fsync"],
         ),
         ("ckptshard reshard 8->3 --no-fsync", [*cli, "reshard", src, "-n", "3", "-o", out, "-q", "--no-fsync"]),
+        (  # every parameter written twice, by torch's pickling (a 2-D mesh)
+            "ckptshard reshard 8->2x3 (HSDP: 2x the bytes) --no-fsync",
+            [*cli, "reshard", src, "-n", "6", "--shard-group", "3", "-o", out, "-q", "--no-fsync"],
+        ),
         ("all ranks in memory, torch.cat, save_file", [PY, "-c", MERGE_IN_MEMORY, src, str(ranks), merged]),
         (
             "FSDP1: ckptshard consolidate -> .safetensors --no-fsync",

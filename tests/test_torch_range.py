@@ -263,6 +263,26 @@ def test_dtensors_saved_by_this_torch_reshard_without_it_to_what_it_saves(tmp_pa
         torch_fsdp_runs.assert_same_state(got, torch.load(tmp_path / "at3" / name, weights_only=False), name)
 
 
+def test_hsdp_dtensors_of_this_torch_reshard_to_what_it_saves(tmp_path):
+    """DTensors on HSDP's 2-D mesh saved by this torch at 2 x 2 reshard to 3 x 2 (torch pickles 2-D meshes,
+    over a fake process group: torch 2.5 and newer) into what this torch saves at 3 x 2, every mesh field."""
+    from ckptshard.testing import torch_fsdp_runs
+
+    _need_device_mesh(torch_fsdp_runs)
+    try:
+        from torch.distributed.tensor import DTensor  # noqa: F401
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+    except ImportError:
+        pytest.skip(f"torch {torch.__version__}: writing a 2-D mesh needs torch 2.5 (the fake process group)")
+    torch_fsdp_runs.save_dtensors(str(tmp_path / "at4"), 4, replicas=2)
+    torch_fsdp_runs.save_dtensors(str(tmp_path / "at6"), 6, replicas=3)
+    ckptshard.reshard(str(tmp_path / "at4"), str(tmp_path / "out"), 6, progress=False)
+    for r in range(6):
+        name = f"model_world_size_6_rank_{r}.pt"
+        got = torch.load(tmp_path / "out" / name, weights_only=False)
+        torch_fsdp_runs.assert_same_state(got, torch.load(tmp_path / "at6" / name, weights_only=False), name)
+
+
 def test_fsdp1_files_of_this_torch_reshard_without_it_to_what_it_saves(tmp_path):
     """A real FSDP1 run at 2 with this torch (SHARDED_STATE_DICT, raw optimizer state, as verl saves them)
     reshards to 3 without importing torch, into what FSDP1 at 3 of this torch saves after loading the full

@@ -449,24 +449,29 @@ def assert_same_state(got: Any, want: Any, where: str = "") -> None:
         assert got == want, where
 
 
-def _dtensors_worker(rank: int, world: int, out: str) -> None:
+def _dtensors_worker(rank: int, world: int, out: str, replicas: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     api = dtensor_api()
-    Shard, distribute_tensor = api.Shard, api.distribute_tensor
-    mesh = init_device_mesh("cpu", (world,))
+    Replicate, Shard, distribute_tensor = api.Replicate, api.Shard, api.distribute_tensor
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("ddp", "fsdp"))
+        placements = [Replicate(), Shard(0)]
+    else:
+        mesh, placements = init_device_mesh("cpu", (world,)), [Shard(0)]
     torch.manual_seed(0)
     full = {"w": torch.randn(5, 3), "b": torch.randn(2), "one": torch.randn(1, 4)}
     hash(mesh)  # as a training process has: the pickle then holds a hash
     torch.save(
-        {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()},
+        {k: distribute_tensor(v, mesh, placements) for k, v in full.items()},
         os.path.join(out, f"model_world_size_{world}_rank_{rank}.pt"),
     )
 
 
-def save_dtensors(out: str, world: int) -> None:
-    """Each rank's state dict of DTensors over the 1-D mesh FSDP2 makes (``init_device_mesh``), saved by this
-    torch on ``world`` gloo ranks: the same values at any ``world``. For torch releases whose FSDP2 does not
-    run on the CPU (before 2.7), their DeviceMesh pickles all the same."""
+def save_dtensors(out: str, world: int, replicas: int = 1) -> None:
+    """Each rank's state dict of DTensors over the 1-D mesh FSDP2 makes (``init_device_mesh``), or HSDP's
+    ``(replicas, world // replicas)`` mesh named ``("ddp", "fsdp")``, saved by this torch on ``world`` gloo
+    ranks: the same values at any ``world``. For torch releases whose FSDP2 does not run on the CPU (before
+    2.7), their DeviceMesh pickles all the same."""
     os.makedirs(out, exist_ok=True)
-    run_world(_dtensors_worker, world, out)
+    run_world(_dtensors_worker, world, out, replicas)
