@@ -63,6 +63,35 @@ def test_rewritten_pickles_are_what_torch_pickles_for_the_same_plan(n, tmp_path,
                 assert mesh._rank_map.tolist() == list(range(n)) and mesh._rank == r, name
 
 
+def test_a_mesh_the_rules_do_not_know_is_written_from_torchs_pickle_of_it(tmp_path, monkeypatch):
+    """A mesh with fields no rule covers (a torch release not seen): torch pickles one empty DTensor on the
+    output rank's mesh and every DTensor is written by it, the file laid out without torch; the same objects
+    as torch's own pickling of every DTensor."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed.tensor")
+    import ckptshard.write.torch_file as torch_file
+    from ckptshard.testing import torch_fsdp_runs
+
+    def unknown(self, mesh):
+        raise Unsupported("test: a DeviceMesh field without a rule")
+
+    with monkeypatch.context() as m:
+        m.setattr(DTensorWriter, "_mesh", unknown)
+        m.setattr(torch_file, "_torch_skeleton", lambda *a: pytest.fail("a file laid out by torch"))
+        ckptshard.reshard(str(GOLDEN), str(tmp_path / "templated"), 3, progress=False)
+
+    def refuse(self, fill):
+        raise Unsupported("test: let torch pickle it")
+
+    monkeypatch.setattr(DTensorWriter, "__call__", refuse)
+    ckptshard.reshard(str(GOLDEN), str(tmp_path / "torch"), 3, progress=False)
+    for kind in ("model", "optim"):
+        for r in range(3):
+            name = f"{kind}_world_size_3_rank_{r}.pt"
+            got = torch.load(tmp_path / "templated" / name, weights_only=True)
+            torch_fsdp_runs.assert_same_state(got, torch.load(tmp_path / "torch" / name, weights_only=True), name)
+
+
 def _mesh(**changes):
     state = {
         "_device_type": "cpu",

@@ -163,6 +163,33 @@ def mesh_dim_names(template: Any) -> Optional[Tuple[str, ...]]:
     return tuple(names) if ok else None
 
 
+def _checked(template: Any) -> PickledDTensor:
+    if not isinstance(template, PickledDTensor):
+        raise Unsupported("no source DTensor pickle to follow")
+    if len(template.shell) < 4 or not isinstance(template.shell[0], Global):
+        raise Unsupported("a wrapper subclass call of another shape")
+    return template
+
+
+def with_mesh_tensors(template: PickledDTensor, tensors: Dict[str, Literal]) -> PickledDTensor:
+    """``template`` (torch's pickle of a DTensor, read back) with its mesh's tensor fields (a rank map, a mesh
+    tensor: read back as shapes only) given their bytes, ``tensors`` by field name. Every tensor field must
+    have them."""
+    state = template.state
+    slots = state[1] if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) else {}
+    spec = slots.get("_spec")
+    mesh = spec.state.get("mesh") if isinstance(spec, NewObj) and isinstance(spec.state, dict) else None
+    if not (isinstance(mesh, NewObj) and isinstance(mesh.state, dict)):
+        raise Unsupported("a DTensor pickle without a DeviceMesh")
+    for key, value in mesh.state.items():
+        if isinstance(value, TemplateTensor):
+            given = tensors.get(key)
+            if given is None or (given.shape, given.dtype) != (value.shape, value.dtype):
+                raise Unsupported(f"the DeviceMesh's {key}: no bytes for it")
+            mesh.state[key] = given
+    return template
+
+
 def _mesh_world(state: Dict[str, Any]) -> int:
     ranks = state.get("_flatten_rank_map", state.get("_flatten_mesh_list"))
     _require(isinstance(ranks, (tuple, list)) and len(ranks) > 0, "_flatten_rank_map")
@@ -174,22 +201,32 @@ class DTensorWriter:
 
     One per file: the mesh is made once and every DTensor of the file
     refers to it, as every parameter of an FSDP2 model refers to one mesh.
+    ``placed(placements)``: torch's own pickle of a DTensor of those placements on this rank's mesh
+    (``write/dtensor_mesh.mesh_template``), or None. It is what a mesh of more than one dimension (HSDP)
+    is written by, whose pickle holds its process groups' names, and what a 1-D mesh the rules do not know
+    is written by: its mesh and spec as they are, with this DTensor's tensor in.
     """
 
-    def __init__(self, place: MeshPlace) -> None:
+    def __init__(self, place: MeshPlace, placed: Optional[Callable[[Any], Optional[PickledDTensor]]] = None) -> None:
         self.place = place
+        self.placed = placed
         self._meshes: Dict[int, Tuple[Any, NewObj]] = {}  # by id of the template, which is kept alive here
 
     def __call__(self, fill: Any) -> Call:
-        template = fill.pickled
-        if not isinstance(template, PickledDTensor):
-            raise Unsupported("no source DTensor pickle to follow")
-        if len(template.shell) < 4 or not isinstance(template.shell[0], Global):
-            raise Unsupported("a wrapper subclass call of another shape")
         if fill.sharded_tensor:
-            return sharded_tensor_call(fill, template, self.place)
-        if len(self.place.mesh_shape) > 1:
-            raise Unsupported("an HSDP mesh to write (2-D): its process-group fields are torch's to pickle")
+            return sharded_tensor_call(fill, _checked(fill.pickled), self.place)
+        if len(self.place.mesh_shape) == 1:
+            try:
+                return self._written(fill, _checked(fill.pickled), own_mesh=False)
+            except Unsupported:
+                if self.placed is None:
+                    raise
+        template = self.placed(tuple(fill.placements)) if self.placed else None
+        if template is None:
+            raise Unsupported(f"a {self.place.mesh_shape} mesh, and no pickle of it made by torch")
+        return self._written(fill, _checked(template), own_mesh=True)
+
+    def _written(self, fill: Any, template: PickledDTensor, own_mesh: bool) -> Call:
         state = template.state
         if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict)):
             raise Unsupported("a DTensor state other than (dict, slots)")
@@ -203,15 +240,17 @@ class DTensorWriter:
         kept = spec.state.get("placements")
         if not isinstance(kept, (tuple, list)) or len(kept) != len(fill.placements):
             raise Unsupported("placements over another number of mesh dimensions than the source's")
-        slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype))
+        slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype, own_mesh))
         slots["_local_tensor"] = fill.local
         return rebuild_wrapper(template.shell, dtype, shape, stride, (state[0], slots))
 
-    def _spec_state(self, spec: Dict[str, Any], shape: Tuple[int, ...], stride: Tuple[int, ...], dtype: Global) -> Any:
+    def _spec_state(
+        self, spec: Dict[str, Any], shape: Tuple[int, ...], stride: Tuple[int, ...], dtype: Global, own_mesh: bool
+    ) -> Any:
         out: Dict[str, Any] = {}
         for key, value in spec.items():
             if key == "mesh":
-                out[key] = self._mesh(value)
+                out[key] = value if own_mesh else self._mesh(value)
             elif key == "tensor_meta":
                 if not (isinstance(value, NewObj) and len(value.args) == 3 and value.state is NO_STATE):
                     raise Unsupported("a TensorMeta of another shape")

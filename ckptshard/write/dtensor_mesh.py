@@ -9,11 +9,19 @@ do nothing) gives a mesh of any size and rank without other processes.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import os
 import sys
 import warnings
 from typing import Any, Iterator, Optional, Tuple
 
+from ..dtypes import StoredDType, dtype_name
 from ..errors import CheckpointError
+from ..formats.dtensor_pickle import with_mesh_tensors
+from ..formats.torch_distributed import MeshPlace, PickledDTensor
+from ..formats.torch_names import Literal
+from ..formats.torch_pickle import Unsupported
 from ..layout.dim_shards import chunk_sizes
 
 
@@ -54,12 +62,18 @@ def fake_mesh(
             f"this is torch {torch.__version__} ({e})"
         ) from None
 
+    # Reading a written file back to find its tensors' offsets unpickles its mesh, and torch warns (once per
+    # mesh) that the mesh's process groups are not this process's: they are the training ranks', as they should.
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         with _dynamo_left_unimported(*constructors):
             yield init_device_mesh("cpu", shape or (world,), mesh_dim_names=dim_names)
     finally:
         dist.destroy_process_group()
+        mesh_log.setLevel(level)
 
 
 @contextlib.contextmanager
@@ -91,6 +105,41 @@ def _dynamo_left_unimported(*constructors: Any) -> Iterator[None]:
         for fn in cached:
             if fn.__dict__.get("__dynamo_disable") is fn:
                 del fn.__dynamo_disable
+
+
+Placements = Tuple[Tuple[str, int], ...]
+
+
+@functools.lru_cache(maxsize=16)  # a rank's model and optimizer files share their mesh
+def mesh_template(place: MeshPlace, kind: Placements) -> Optional[PickledDTensor]:
+    """torch's pickle of an empty DTensor of placements ``kind`` on ``place``'s mesh, read back as a template
+    for ``DTensorWriter``, which puts each DTensor's own tensor in; None where this torch cannot make one
+    (before 2.5). For meshes whose pickle the rules cannot write (HSDP's holds the names torch gives each
+    rank's process groups): the file's data is still laid out and written without torch."""
+    import tempfile
+
+    import torch
+
+    from ..read.safe_load import own_refs
+
+    try:
+        with fake_mesh(place.world, place.rank, True, place.mesh_shape, place.dim_names) as mesh:
+            dims = 1 + max((d for k, d in kind if k == "shard"), default=0)
+            made = {"x": dtensor_of(torch.empty((0,) * dims), mesh, (0,) * dims, kind)}
+            tensors = {
+                k: Literal(tuple(v.shape), StoredDType(dtype_name(v.dtype)), v.contiguous().numpy().tobytes())
+                for k, v in vars(mesh).items()
+                if isinstance(v, torch.Tensor)
+            }
+            with tempfile.TemporaryDirectory() as d:
+                torch.save(made, os.path.join(d, "mesh.pt"))
+                template = own_refs(os.path.join(d, "mesh.pt"))["x"].pickled
+    except CheckpointError:
+        return None  # no fake process group here: torch's path says so
+    try:
+        return with_mesh_tensors(template, tensors) if template is not None else None
+    except Unsupported:
+        return None
 
 
 def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:

@@ -7,6 +7,7 @@ larger than a copy block is ever held in memory.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -23,7 +24,7 @@ from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
 from ..tensors import DTensorFill, DTensorRef, Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
-from .dtensor_mesh import dtensor_of, fake_mesh, sharded_tensor_of
+from .dtensor_mesh import dtensor_of, fake_mesh, mesh_template, sharded_tensor_of
 
 if TYPE_CHECKING:
     import torch
@@ -117,7 +118,7 @@ def write_torch(
     fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
     deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
-    dtensors = DTensorWriter(place) if place is not None else None
+    dtensors = DTensorWriter(place, functools.partial(mesh_template, place)) if place is not None else None
     # Read without torch: write without it too. torch before 2.5 cannot lay out a file without its data.
     if all(isinstance(f.dtype, StoredDType) for f in fills) or not torch_skips_data():
         try:
