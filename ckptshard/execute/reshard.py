@@ -404,8 +404,8 @@ def reshard_ranks(
     """torch FSDP2 or FSDP1 per-rank files at ``world`` ranks, named and laid out as the source's.
 
     Each file is what ``model.state_dict()`` / ``optimizer.state_dict()``
-    of FSDP at ``world`` saves (torch pickles the DTensors or FSDP1's
-    ShardedTensors, over a fake process group; FSDP1's optimizer slices
+    of FSDP at ``world`` saves (each DTensor or FSDP1 ShardedTensor its
+    source's pickle rewritten for its new rank, ``write_torch``; FSDP1's optimizer slices
     are cut as the units' flat parameters at ``world`` cut them, the units
     told from the source's slices: ``plan.torch_ranks.fsdp1_units``).
     FSDP1 at world size 1 runs NO_SHARD: plain tensors, each moment in its
@@ -413,7 +413,7 @@ def reshard_ranks(
     the optimizer's moments tell: ``TorchRanks``).
     HSDP (``group`` below ``world``, or an HSDP source's default): rank r
     holds shard ``r % group`` of FSDP2 at ``group``, replicated on a 2-D mesh
-    (``TargetMesh``); torch pickles that mesh.
+    (``TargetMesh``), whose pickle torch makes (``mesh_template``).
     verl's ``extra_state`` files (LR scheduler, RNG states) are copied byte
     for byte, never unpickled: new rank r gets old rank ``r % M``'s.
     ``fsdp_config.json`` gets the new world size; the folder's other
