@@ -182,7 +182,9 @@ def with_mesh_tensors(template: PickledDTensor, tensors: Dict[str, Literal]) -> 
     if not (isinstance(mesh, NewObj) and isinstance(mesh.state, dict)):
         raise Unsupported("a DTensor pickle without a DeviceMesh")
     for key, value in mesh.state.items():
-        if isinstance(value, TemplateTensor):
+        if key == "_hash":
+            mesh.state[key] = None  # this process's hash of its strings: torch computes it again on use
+        elif isinstance(value, TemplateTensor):
             given = tensors.get(key)
             if given is None or (given.shape, given.dtype) != (value.shape, value.dtype):
                 raise Unsupported(f"the DeviceMesh's {key}: no bytes for it")

@@ -126,6 +126,7 @@ def mesh_template(place: MeshPlace, kind: Placements) -> Optional[PickledDTensor
         with fake_mesh(place.world, place.rank, True, place.mesh_shape, place.dim_names) as mesh:
             dims = 1 + max((d for k, d in kind if k == "shard"), default=0)
             made = {"x": dtensor_of(torch.empty((0,) * dims), mesh, (0,) * dims, kind)}
+            hash(mesh)  # as in a training process: torch releases that hash lazily then pickle a _hash
             tensors = {
                 k: Literal(tuple(v.shape), StoredDType(dtype_name(v.dtype)), v.contiguous().numpy().tobytes())
                 for k, v in vars(mesh).items()
