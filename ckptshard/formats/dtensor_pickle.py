@@ -150,14 +150,20 @@ def _require(ok: bool, what: str) -> None:
         raise Unsupported(f"a DeviceMesh with another {what} than a 1-D mesh over all ranks")
 
 
-def mesh_dim_names(template: Any) -> Optional[Tuple[str, ...]]:
-    """The mesh dimension names a source DTensor's pickle records (verl's FSDP2: ``("fsdp",)``, HSDP:
-    ``("ddp", "fsdp")``); None where it records none."""
+def _pickled_mesh(template: Any) -> Optional[NewObj]:
+    """The DeviceMesh in a DTensor's pickle (``(dict, slots)`` state, the spec in its slots); None if not there."""
     state = template.state if isinstance(template, PickledDTensor) else None
     slots = state[1] if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) else {}
     spec = slots.get("_spec")
     mesh = spec.state.get("mesh") if isinstance(spec, NewObj) and isinstance(spec.state, dict) else None
-    fields = mesh.state if isinstance(mesh, NewObj) and isinstance(mesh.state, dict) else {}
+    return mesh if isinstance(mesh, NewObj) and isinstance(mesh.state, dict) else None
+
+
+def mesh_dim_names(template: Any) -> Optional[Tuple[str, ...]]:
+    """The mesh dimension names a source DTensor's pickle records (verl's FSDP2: ``("fsdp",)``, HSDP:
+    ``("ddp", "fsdp")``); None where it records none."""
+    mesh = _pickled_mesh(template)
+    fields = mesh.state if mesh is not None else {}
     names = fields.get("_mesh_dim_names", fields.get("mesh_dim_names"))
     ok = isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names)
     return tuple(names) if ok else None
@@ -175,11 +181,8 @@ def with_mesh_tensors(template: PickledDTensor, tensors: Dict[str, Literal]) -> 
     """``template`` (torch's pickle of a DTensor, read back) with its mesh's tensor fields (a rank map, a mesh
     tensor: read back as shapes only) given their bytes, ``tensors`` by field name. Every tensor field must
     have them."""
-    state = template.state
-    slots = state[1] if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) else {}
-    spec = slots.get("_spec")
-    mesh = spec.state.get("mesh") if isinstance(spec, NewObj) and isinstance(spec.state, dict) else None
-    if not (isinstance(mesh, NewObj) and isinstance(mesh.state, dict)):
+    mesh = _pickled_mesh(template)
+    if mesh is None:
         raise Unsupported("a DTensor pickle without a DeviceMesh")
     for key, value in mesh.state.items():
         if key == "_hash":
