@@ -647,6 +647,7 @@ def verify(ctx: click.Context, path: str) -> None:
     help="Folder for the runs' checkpoints (default: a temporary one, removed).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON (per-step losses included).")
+@common_trust
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False),
@@ -666,6 +667,7 @@ def verify_resume(
     device: str,
     work: Optional[str],
     as_json: bool,
+    trust_pickles: bool,
     plot: Optional[str],
 ) -> None:
     """Prove that resuming works for your model: real multi-process FSDP
@@ -719,6 +721,7 @@ def verify_resume(
             container=container,
             from_checkpoint=from_checkpoint,
             work=work,
+            trust_pickles=trust_pickles,
         ),
     )
     click.echo(json.dumps(results_json(results), indent=2) if as_json else format_table(results))

@@ -31,8 +31,14 @@ def groups(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tied(tmp_path_factory):
-    return {r.scenario: r for r in ckptshard.verify_resume(TIED, work=str(tmp_path_factory.mktemp("tied")))}
+def tied_run(tmp_path_factory):
+    work = str(tmp_path_factory.mktemp("tied"))
+    return work, {r.scenario: r for r in ckptshard.verify_resume(TIED, work=work)}
+
+
+@pytest.fixture(scope="module")
+def tied(tied_run):
+    return tied_run[1]
 
 
 def _check_all_pass(results):
@@ -77,6 +83,58 @@ def test_from_a_checkpoint_of_another_world_size_than_the_scenario(groups, tmp_p
     ckpt = os.path.join(groups[0], "uninterrupted-" + _slug(GROUPS) + "-ws2", "ckpt")
     with pytest.raises(ckptshard.CheckpointError, match="saved by 2"):
         ckptshard.verify_resume(GROUPS, [reshard_scenario("3->2")], from_checkpoint=ckpt, work=str(tmp_path))
+
+
+class _Payload:
+    """Unpickled with its code, it creates the file ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _with_payload(tied_run, tmp_path, where):
+    """A copy of the tied recipe's verl checkpoint, rank 0's extra_state carrying a payload in ``where``."""
+    import shutil
+
+    import torch
+
+    ckpt = os.path.join(tied_run[0], "uninterrupted-" + _slug(TIED) + "-ws2", "ckpt")
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt, src)
+    extra = src / "extra_state_world_size_2_rank_0.pt"
+    state = torch.load(extra, weights_only=False)
+    marker = tmp_path / "payload-ran"
+    if where == "rng":
+        state["rng"]["evil"] = _Payload(marker)
+    else:
+        state["lr_scheduler"]["evil"] = _Payload(marker)
+    torch.save(state, extra)
+    return src, marker
+
+
+def test_verify_resume_from_never_runs_code_pickled_beside_the_scheduler_state(tied_run, tmp_path):
+    src, marker = _with_payload(tied_run, tmp_path, "rng")
+    res = _verify_resume_cli(
+        "--recipe", TIED, "--from", str(src), "--scenario", "same world size", "--steps", "1", "--work", str(tmp_path)
+    )
+    assert not marker.exists(), "a pickled payload ran"
+    assert res.returncode == 0, res.stderr
+
+
+def test_verify_resume_from_refuses_a_scheduler_state_that_holds_pickled_code(tied_run, tmp_path):
+    src, marker = _with_payload(tied_run, tmp_path, "lr_scheduler")
+    args = ["--recipe", TIED, "--from", str(src), "--scenario", "same world size", "--steps", "1"]
+    res = _verify_resume_cli(*args, "--work", str(tmp_path / "w1"))
+    assert not marker.exists(), "a pickled payload ran"
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "lr_scheduler" in errors[0] and "--trust-pickles" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr
+    res = _verify_resume_cli(*args, "--trust-pickles", "--work", str(tmp_path / "w2"))  # the user's own file
+    assert marker.exists()
 
 
 def _slug(s):

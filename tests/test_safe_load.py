@@ -163,3 +163,58 @@ def test_repeated_values_reads_only_what_could_repeat(tmp_path, monkeypatch):
     assert found == {"tied": "a"}
     assert ((3,), 64) not in calls and ((3,), None) not in calls  # "b": no other tensor of its shape
     assert sum(1 for c in calls if c[1] is None) == 3  # whole: a, tied, late (other's first bytes differ)
+
+
+class _Marks:
+    """Unpickled with its code, it creates the file ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+SCHEDULER = {"last_epoch": 3, "_last_lr": [0.1, 0.01], "base_lrs": [1.0, 0.1], "_step_count": 4}
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (
+            "fairscale",
+            "checkpoint_last-shard0.pt",
+            lambda s, p: {"optimizer_history": [{"lr_scheduler_state": s}], "x": p},
+        ),
+        (
+            "fairscale",
+            "model_iteration_shard0.torch",
+            lambda s, p: {"classy_state_dict": {"lr_scheduler": s}, "p": p},
+        ),
+        ("fsdp2", "extra_state_world_size_2_rank_0.pt", lambda s, p: {"lr_scheduler": s, "rng": {"numpy": p}}),
+    ],
+    ids=["fairseq", "vissl", "verl"],
+)
+def test_the_scheduler_state_is_read_without_running_what_lies_beside_it(tmp_path, layout, legacy):
+    from ckptshard.harness.frameworks import scheduler_state
+
+    framework, name, build = layout
+    marker = tmp_path / "payload-ran"
+    state = build({**SCHEDULER, "t": torch.arange(3.0)}, _Marks(marker))
+    torch.save(state, tmp_path / name, _use_new_zipfile_serialization=not legacy)
+    got = scheduler_state(framework, str(tmp_path))
+    assert not marker.exists(), "a pickled payload ran"
+    assert torch.equal(got.pop("t"), torch.arange(3.0)) and got == SCHEDULER
+
+
+def test_a_scheduler_state_holding_pickled_code_is_refused_unless_trusted(tmp_path):
+    from ckptshard.harness.frameworks import scheduler_state
+
+    marker = tmp_path / "payload-ran"
+    torch.save({"lr_scheduler": {**SCHEDULER, "fn": _Marks(marker)}}, tmp_path / "extra_state_world_size_1_rank_0.pt")
+    with pytest.raises(CheckpointError, match=r"lr_scheduler: holds a pickled io.open.*--trust-pickles"):
+        scheduler_state("fsdp2", str(tmp_path))
+    assert not marker.exists(), "a pickled payload ran"
+    scheduler_state("fsdp2", str(tmp_path), trust_pickles=True)  # the user's own file: torch.load runs it
+    assert marker.exists()

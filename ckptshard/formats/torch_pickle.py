@@ -177,12 +177,18 @@ _STORAGE_TYPES = {name: _StorageType(dtype) for name, dtype in STORAGE_CLASSES.i
 
 class _Unpickler(pickle.Unpickler):
     def __init__(
-        self, f: Any, storage: Callable[[str, StoredDType], _Storage], legacy: bool = False, trusted: bool = False
+        self,
+        f: Any,
+        storage: Callable[[str, StoredDType], _Storage],
+        legacy: bool = False,
+        trusted: bool = False,
+        inert: bool = False,
     ) -> None:
         super().__init__(f)
         self._storage = storage
         self._legacy = legacy
         self._trusted = trusted
+        self._inert = inert
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
@@ -198,6 +204,8 @@ class _Unpickler(pickle.Unpickler):
             found = record_class(module, name)
         if found is None and self._trusted:  # --trust-pickles: any global, as torch.load(weights_only=False)
             return super().find_class(module, name)
+        if found is None and self._inert:  # kept as its arguments, never imported nor called (unpickle_zip)
+            return record_class(module, name)
         if found is None:
             raise Unsupported(f"global {module}.{name}")
         return found
@@ -348,10 +356,13 @@ def check_depth(obj: Any, where: str, limit: int = MAX_DEPTH) -> None:
         stack.extend((c, depth + 1) for c in children)
 
 
-def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int, trusted: bool = False) -> Any:
+def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int, trusted: bool = False, inert: bool = False) -> Any:
     """The object of an open torch.save zip; storages' offsets are ``base`` + their place in ``raw``.
 
     ``trusted`` (--trust-pickles): any other global is imported, as torch.load would; it can run code.
+    ``inert``: any other global becomes an inert :class:`Record` (its arguments and state; nothing is imported
+    or called), so one entry of a file can be taken while the rest (numpy RNG states, say) never runs; whoever
+    takes the entry refuses a Record left in it (:func:`to_refs` does).
     """
     pkls = [n for n in zf.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pkls) != 1:
@@ -376,17 +387,17 @@ def unpickle_zip(zf: zipfile.ZipFile, raw: Any, base: int, trusted: bool = False
             raise Unsupported("one storage read as two dtypes")
         return seen[key]
 
-    return _Unpickler(io.BytesIO(data), storage, trusted=trusted).load()
+    return _Unpickler(io.BytesIO(data), storage, trusted=trusted, inert=inert).load()
 
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _LEGACY_PROTOCOL = 1001
 
 
-def unpickle_legacy(f: BinaryIO, end: int, trusted: bool = False) -> Any:
+def unpickle_legacy(f: BinaryIO, end: int, trusted: bool = False, inert: bool = False) -> Any:
     """The object of a legacy (non-zip) torch.save stream ``f`` of ``end`` bytes; storages' offsets in ``f``.
 
-    ``trusted`` (--trust-pickles): any other global is imported, as torch.load would; it can run code.
+    ``trusted``, ``inert``: as for :func:`unpickle_zip`.
     """
 
     def plain() -> Any:  # the small pickles around the object: no globals, no storages
@@ -406,7 +417,7 @@ def unpickle_legacy(f: BinaryIO, end: int, trusted: bool = False) -> Any:
             raise Unsupported("one storage read as two dtypes")
         return seen[key]
 
-    obj = _Unpickler(f, storage, legacy=True, trusted=trusted).load()
+    obj = _Unpickler(f, storage, legacy=True, trusted=trusted, inert=inert).load()
     keys = plain()
     if not isinstance(keys, list) or set(keys) != set(seen):
         raise Unsupported("storage keys do not match the pickle")

@@ -23,6 +23,8 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from ..fsdp.loading import load_checkpoint
 from ..fsdp.state import torch_full_state
+from ..read.tensor_data import materialize
+from ..read.torch_file import read_entry
 
 CONTAINER_FILES = {
     "fairseq": ("checkpoint_last-shard{}.pt", "fsdp_metadata"),
@@ -186,10 +188,12 @@ def _verl(folder: str, kind: str, world: int, rank: int) -> str:
     return os.path.join(folder, f"{kind}_world_size_{world}_rank_{rank}.pt")
 
 
-def load_local(framework: str, root: Any, optim: Optional[Any], folder: str, rank: int, world: int) -> None:
+def load_local(
+    framework: str, root: Any, optim: Optional[Any], folder: str, rank: int, world: int, trust_pickles: bool = False
+) -> None:
     """Per-rank files at this world size (or, for fairscale, any checkpoint load_checkpoint takes)."""
     if framework == "fairscale":
-        load_checkpoint(root, folder, optim)
+        load_checkpoint(root, folder, optim, trust_pickles=trust_pickles)
         return
     path = _verl(folder, "model", world, rank)
     if not os.path.isfile(path):
@@ -216,22 +220,24 @@ def load_full(
         set_optimizer_state_dict(root, optim, torch.load(full_optim, weights_only=True), options=opts)
 
 
-def scheduler_state(framework: str, folder: str) -> Any:
-    """The LR scheduler state a checkpoint folder holds (rank 0's), or None."""
+def scheduler_state(framework: str, folder: str, trust_pickles: bool = False) -> Any:
+    """The LR scheduler state a checkpoint folder holds (rank 0's), or None.
+
+    Only that entry is unpickled (``read_entry``): the files' other entries (model, RNG states) never run,
+    and the entry itself holds plain values and tensors unless ``trust_pickles``."""
     if framework == "fairscale" and os.path.isfile(os.path.join(folder, VISSL_SHARD.format(0))):
-        state = torch.load(os.path.join(folder, VISSL_SHARD.format(0)), map_location="cpu", weights_only=False)
-        return state["classy_state_dict"].get("lr_scheduler")
-    if framework == "fairscale":
-        for pattern in ("*shard0.pt", "*.pt"):
-            files = sorted(glob.glob(os.path.join(folder, pattern)))
-            if files:
-                history = torch.load(files[0], map_location="cpu", weights_only=False).get("optimizer_history") or [{}]
-                return history[-1].get("lr_scheduler_state")
-        return None
-    files = sorted(glob.glob(os.path.join(folder, "extra_state_world_size_*_rank_0.pt")))
-    if not files:
-        return None
-    return torch.load(files[0], map_location="cpu", weights_only=False).get("lr_scheduler")
+        path, keys = os.path.join(folder, VISSL_SHARD.format(0)), ["classy_state_dict", "lr_scheduler"]
+    elif framework == "fairscale":
+        files = sorted(glob.glob(os.path.join(folder, "*shard0.pt"))) or sorted(glob.glob(os.path.join(folder, "*.pt")))
+        if not files:
+            return None
+        path, keys = files[0], ["optimizer_history", -1, "lr_scheduler_state"]
+    else:
+        files = sorted(glob.glob(os.path.join(folder, "extra_state_world_size_*_rank_0.pt")))
+        if not files:
+            return None
+        path, keys = files[0], ["lr_scheduler"]
+    return materialize(read_entry(path, keys, trust_pickles))
 
 
 def full_state(framework: str, root: Any, optim: Any) -> Optional[Dict[str, Any]]:

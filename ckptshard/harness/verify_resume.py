@@ -172,6 +172,7 @@ def run_scenarios(
     container: Optional[str] = None,
     recipe: Union[str, Any, None] = None,
     from_checkpoint: Optional[str] = None,
+    trust_pickles: bool = False,
 ) -> List[Result]:
     """Run ``scenarios`` (see :func:`verify_resume`) with ``work`` as the folder for every run's files."""
     if from_checkpoint is None and not 0 < ckpt_step < steps:
@@ -200,7 +201,7 @@ def run_scenarios(
         ref, obj = recipes.get(spec)
         check_global_batch(obj, ref.label, sorted(sizes))
     os.makedirs(work, exist_ok=True)
-    run = _Run(work, recipes, steps, ckpt_step, seed, device, container, from_checkpoint)
+    run = _Run(work, recipes, steps, ckpt_step, seed, device, container, from_checkpoint, trust_pickles)
     results: List[Result] = []
     finals: Dict[str, Tuple[str, str]] = {}
     for sc in scenarios:
@@ -235,9 +236,10 @@ class _Run:
         device: str,
         container: Optional[str],
         from_checkpoint: Optional[str],
+        trust_pickles: bool,
     ) -> None:
         self.work, self.recipes, self.steps, self.seed, self.device = work, recipes, steps, seed, device
-        self.container, self.source = container, from_checkpoint
+        self.container, self.source, self.trust = container, from_checkpoint, trust_pickles
         self.start = 0 if from_checkpoint is not None else ckpt_step
         self._baselines: Dict[Tuple[Optional[str], int], Tuple[str, str]] = {}
 
@@ -262,7 +264,7 @@ class _Run:
             os.makedirs(folder)
             if self.source is not None:  # the user's checkpoint, resumed as it is
                 ckpt = self.source
-                load = {"mode": "local", "path": ckpt, "scheduler_from": ckpt}
+                load = {"mode": "local", "path": ckpt, "scheduler_from": ckpt, "trust_pickles": self.trust}
                 job = self._job(sc.recipe, folder, start=0, stop=self.steps, load=load)
             else:
                 ckpt = os.path.join(folder, "ckpt")
@@ -284,16 +286,16 @@ class _Run:
         folder = os.path.join(self.work, _slug(f"{ref.label}-{sc.name}"))
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        load: Dict[str, Any] = {"optimizer": sc.optimizer, "scheduler_from": ckpt}
+        load: Dict[str, Any] = {"optimizer": sc.optimizer, "scheduler_from": ckpt, "trust_pickles": self.trust}
         if sc.via in ("local", "resave"):
             load.update(mode="local", path=ckpt)
         elif sc.via == "reshard":
             out = os.path.join(folder, "resharded")
-            reshard(ckpt, out, sc.resume_ws, progress=False)
+            reshard(ckpt, out, sc.resume_ws, progress=False, trust_pickles=self.trust)
             load.update(mode="local", path=out, scheduler_from=out)
         else:
             full = os.path.join(folder, "full.pt")
-            consolidate(ckpt, full, optimizer=True, progress=False)
+            consolidate(ckpt, full, optimizer=True, progress=False, trust_pickles=self.trust)
             mode = "full-before" if sc.via == "consolidated-before" else "full-after"
             load.update(mode=mode, path=full, optim_path=os.path.join(folder, "full.optim.pt"))
         final = os.path.join(folder, "final")
@@ -396,6 +398,7 @@ def verify_resume(
     container: Optional[str] = None,
     from_checkpoint: Optional[str] = None,
     work: Optional[str] = None,
+    trust_pickles: bool = False,
 ) -> List[Result]:
     """Prove that resuming works for a model: real multi-process FSDP training, uninterrupted vs stopped,
     converted by ckptshard and resumed.
@@ -419,6 +422,8 @@ def verify_resume(
         from_checkpoint: start from this sharded checkpoint instead of step 0: the reference resumes it at
             its own world size for ``steps`` steps, each scenario converts it and resumes at its target.
         work: folder for the runs' checkpoints; a temporary one, removed afterwards, if None.
+        trust_pickles: unpickle ``from_checkpoint``'s files without the weights-only safety net (its LR
+            scheduler state included): they can run code. Without it no file of the checkpoint runs code.
 
     Returns:
         One :class:`Result` per scenario (``ok``, the differences found, the per-step losses, timings).
@@ -428,7 +433,7 @@ def verify_resume(
             differs between ranks, a global batch that depends on the world size), in one line.
     """
     kw: Dict[str, Any] = {"steps": steps, "ckpt_step": ckpt_step, "device": device, "container": container}
-    kw.update(recipe=recipe, from_checkpoint=from_checkpoint)
+    kw.update(recipe=recipe, from_checkpoint=from_checkpoint, trust_pickles=trust_pickles)
     if work is not None:
         return run_scenarios(work, scenarios, **kw)
     with tempfile.TemporaryDirectory() as tmp:

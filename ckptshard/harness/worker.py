@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import CheckpointError
 from ..fsdp.loading import load_checkpoint
 from .frameworks import (
     RecipeError,
@@ -63,7 +64,7 @@ def _check_heads(recipe: Any, model: torch.nn.Module) -> None:
 def recipe_worker(rank: int, world: int, job: Dict[str, Any]) -> None:
     try:
         _train(rank, world, job)
-    except RecipeError as e:
+    except CheckpointError as e:  # a broken recipe rule or a bad checkpoint: one line for the user
         with open(f"{job['errors']}.rank{rank}", "w") as f:
             f.write(str(e).splitlines()[0] if str(e) else type(e).__name__)
         raise
@@ -82,8 +83,9 @@ def _train(rank: int, world: int, job: Dict[str, Any]) -> None:
     model = model.to(device)
     load: Dict[str, Any] = job.get("load") or {}
     mode = load.get("mode")
+    trust = bool(load.get("trust_pickles"))
     if mode == "full-before":  # into the plain model, before any wrapping
-        load_checkpoint(model, load["path"])
+        load_checkpoint(model, load["path"], trust_pickles=trust)
     with fairscale_cpu_defaults():
         root = _call(recipe, "wrap", model)
     framework = framework_of(root)
@@ -91,11 +93,11 @@ def _train(rank: int, world: int, job: Dict[str, Any]) -> None:
     sched = _call(recipe, "make_scheduler", optim) if callable(getattr(recipe, "make_scheduler", None)) else None
     with_optim = optim if load.get("optimizer", True) else None
     if mode == "local":
-        load_local(framework, root, with_optim, load["path"], rank, world)
+        load_local(framework, root, with_optim, load["path"], rank, world, trust)
     elif mode in ("full-before", "full-after"):
         load_full(framework, root, with_optim, load["path"], load["optim_path"], weights=mode == "full-after")
     if mode and sched is not None:
-        _load_scheduler(sched, framework, load["scheduler_from"])
+        _load_scheduler(sched, framework, load["scheduler_from"], trust)
     losses = []
     container = job["container"]
     for step in range(job["start"], job["stop"]):
@@ -125,8 +127,8 @@ def _train(rank: int, world: int, job: Dict[str, Any]) -> None:
         torch.save(run, os.path.join(job["final"], "run.pt"))
 
 
-def _load_scheduler(sched: Any, framework: str, folder: str) -> None:
-    state: Optional[Dict[str, Any]] = scheduler_state(framework, folder)
+def _load_scheduler(sched: Any, framework: str, folder: str, trust_pickles: bool) -> None:
+    state: Optional[Dict[str, Any]] = scheduler_state(framework, folder, trust_pickles)
     if not isinstance(state, dict):
         raise RecipeError(f"{folder}: the recipe has an LR scheduler, and the checkpoint holds no state for it")
     sched.load_state_dict(state)
