@@ -14,7 +14,7 @@ from ..osio.hashing import Hashes
 from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..plan.consolidate import consolidated_weights, split_by_part
-from ..plan.model_parallel import MpRule, rules_from
+from ..plan.model_parallel import MpRule, check_tolerance, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
@@ -303,6 +303,7 @@ def consolidate(
         return _consolidate_ranks(ranks, req)
     parts = find_model_parts(src)
     rules = rules_from(mp_rules, mp_presets)
+    check_tolerance(mp_tolerance)
     if parts is not None:
         return _consolidate_parts(parts, rules, mp_tolerance, req)
     if rules:

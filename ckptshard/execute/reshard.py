@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -11,11 +10,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
+from ..layout.chunking import check_world_size
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
-from ..plan.model_parallel import MpRule, rules_from
+from ..plan.model_parallel import MpRule, check_tolerance, rules_from
 from ..plan.reshard import resharded_file
 from ..plan.shard import check_full_against_plan, sharded_files, sharded_from_full, sharded_optimizer_from_full
 from ..plan.torch_ranks import (
@@ -30,7 +30,7 @@ from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint, open_checkpoint
-from ..read.torch_ranks import FSDP_CONFIG, RankFiles, TorchRanks, open_torch_ranks_like
+from ..read.torch_ranks import FSDP_CONFIG, TorchRanks, open_torch_ranks_like, read_fsdp_config
 from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
@@ -161,11 +161,6 @@ def _write_distributed(
     return ReshardResult(dst, written or names, total)
 
 
-def _check_world_size(world_size: int) -> None:
-    if world_size < 1:
-        raise CheckpointError(f"--world-size must be >= 1, got {world_size}")
-
-
 @watched
 def reshard(
     src: str,
@@ -221,7 +216,10 @@ def reshard(
             that ckptshard did not write, too little disk space, an input changed while read. Nothing is
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
-    _check_world_size(world_size)
+    check_world_size(world_size)
+    if model_parallel is not None:
+        check_world_size(model_parallel, "--model-parallel")
+    check_tolerance(mp_tolerance)
     ranks = open_torch_ranks_like(src, like, trust_pickles)
     if ranks is not None:
         return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer, shard_group, mesh_dim_names)
@@ -295,8 +293,6 @@ def _repartition(
     split: Split,
 ) -> ReshardResult:
     k, k2, n = len(ckpts), split.parts or 1, world_size
-    if k2 < 1:
-        raise CheckpointError(f"--model-parallel must be >= 1, got {k2}")
     if not split.rules:
         raise CheckpointError(
             f"--model-parallel {k2} from {k} parts needs the rules saying which tensors tensor parallelism split: "
@@ -379,7 +375,7 @@ def shard(
             that ckptshard did not write, too little disk space, an input changed while read. Nothing is
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
-    _check_world_size(world_size)
+    check_world_size(world_size)
     template, refs, full_optim = _shard_inputs(full, like, optimizer, trust_pickles, torch_free=True)
     check_full_against_plan(template, refs)
     inputs = (full, *template.files.paths) + ((optimizer,) if optimizer is not None else ())
@@ -425,7 +421,10 @@ def reshard_ranks(
     if torchrun_world() is not None:
         raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
     files = ranks.files
-    inputs = tuple(files.paths) + tuple(os.path.join(files.folder, n) for n in files.carried())
+    carried = files.carried_files()
+    config = next((read_fsdp_config(p) for n, p in carried if n == FSDP_CONFIG), None)
+    # verl's folder is read whole (its other entries are carried): an output inside it would copy itself.
+    inputs = (*files.paths, *(p for _, p in carried)) + ((files.folder,) if files.verl else ())
     run_checked(lambda: check_output(dst, overwrite, inputs, is_dir=True))
     with_optim = optimizer and ranks.optims is not None
     wholes: Dict[Any, Any] = {}  # each DTensor assembled once, re-cut for every rank
@@ -456,9 +455,8 @@ def reshard_ranks(
     planned = PlannedFiles(rank_trees, world)  # rank 0's plan runs every check; the others, as written
     per_rank = planned.nbytes
     extra = max((os.path.getsize(p) for p in files.extra or ()), default=0)  # each new rank copies one
-    carried = sum(_disk_size(os.path.join(files.folder, n)) for n in files.carried())
     bound = world * (sum(torch_file_size_bound(t) for t in planned.first.values()) + 3 * MANIFEST_ENTRY)
-    check_space(dst, bound + extra * world + carried)
+    check_space(dst, bound + extra * world + sum(os.path.getsize(p) for _, p in carried))
     desc = f"reshard {_mesh_text(ranks.hsdp or (1, ranks.world_size))}->{_mesh_text((mesh.replicas, group))}"
     names: List[str] = []
     digests: Dict[str, str] = {}
@@ -479,7 +477,7 @@ def reshard_ranks(
                 name = files.name_of("extra_state", r, world)
                 shutil.copyfile(files.extra[r % len(files.extra)], os.path.join(tmp, name))
                 names.append(name)
-        names += _carry(files, tmp, world)
+        names += _carry(carried, config, tmp, world)
         manifest = build_manifest(tmp, names, ranks_source_info(ranks), "reshard", None, digests)
         write_json(os.path.join(tmp, MANIFEST), manifest)
     return ReshardResult(dst, names, per_rank * world)
@@ -490,32 +488,16 @@ def _mesh_text(mesh: Tuple[int, int]) -> str:
     return f"{mesh[0]}x{mesh[1]}" if mesh[0] > 1 else str(mesh[1])
 
 
-def _disk_size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def _carry(files: RankFiles, folder: str, world: int) -> List[str]:
-    """Copy the source folder's other entries; ``fsdp_config.json`` says the new world size. Their names."""
-    names = []
-    for n in files.carried():
-        src, dst = os.path.join(files.folder, n), os.path.join(folder, n)
-        if n == FSDP_CONFIG:
-            with open(src) as f:
-                try:
-                    config = json.load(f)
-                except ValueError:
-                    raise CheckpointError(f"{src}: not JSON") from None
+def _carry(carried: Sequence[Tuple[str, str]], config: Any, folder: str, world: int) -> List[str]:
+    """Copy the source folder's other files (``RankFiles.carried_files``); ``fsdp_config.json`` (``config``, as
+    read) says the new world size. Their names."""
+    for name, src in carried:
+        dst = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        if name == FSDP_CONFIG:
             if isinstance(config, dict) and "world_size" in config:
-                config["world_size"] = world
+                config = {**config, "world_size": world}
             write_json(dst, config)
-        elif os.path.isdir(src):
-            shutil.copytree(src, dst, symlinks=True)
         else:
             shutil.copyfile(src, dst)
-        if os.path.isdir(dst):
-            names += sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(dst) for f in fs)
-        else:
-            names.append(n)
-    return names
+    return [name for name, _ in carried]

@@ -11,6 +11,18 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from ..errors import CheckpointError
+
+# Past any FSDP job; a world size is checked against it before anything is sized by it (a file name or a
+# flag saying 10**12 ranks would otherwise allocate per rank until memory runs out).
+MAX_WORLD_SIZE = 1 << 20
+
+
+def check_world_size(world_size: int, what: str = "--world-size") -> None:
+    """Refuse a world size below 1 or above :data:`MAX_WORLD_SIZE`, in one line naming ``what``."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise CheckpointError(f"{what} must be between 1 and {MAX_WORLD_SIZE:,}, got {world_size!r}")
+
 
 def chunk_size(numel: int, world_size: int) -> int:
     """Elements in every rank's (padded) shard."""

@@ -49,8 +49,9 @@ def preallocate(fd: int, size: int) -> None:
 
 
 def check_output(final: str, overwrite: bool, inputs: tuple = (), is_dir: bool = False) -> None:
-    """Refuse an output that is, holds or would overwrite an input, or that exists unless ``overwrite``
-    and ckptshard wrote it; a file output's manifest (``OUT.manifest.json``) is checked the same way."""
+    """Refuse an output that is, holds or would overwrite an input, or lies inside an input that is a folder
+    read whole, or that exists unless ``overwrite`` and ckptshard wrote it; a file output's manifest
+    (``OUT.manifest.json``) is checked the same way."""
     final_abs = os.path.realpath(final)
     created = [final_abs] if is_dir else [final_abs, manifest_path_of_file(final_abs)]
     for p in inputs:
@@ -58,6 +59,8 @@ def check_output(final: str, overwrite: bool, inputs: tuple = (), is_dir: bool =
         for c in created:
             if rp == c or rp.startswith(c.rstrip(os.sep) + os.sep):
                 raise CheckpointError(f"{final}: output would overwrite the input {p}")
+            if os.path.isdir(rp) and c.startswith(rp.rstrip(os.sep) + os.sep):
+                raise CheckpointError(f"{final}: output lies inside the input folder {p}; write it elsewhere")
     parent = os.path.dirname(final_abs) or "."
     if not os.path.isdir(parent):
         raise CheckpointError(f"{final}: folder {parent} does not exist")

@@ -83,11 +83,19 @@ def _owned_folder_problem(final: str) -> Optional[str]:
 
 
 def _unlisted(output: str, files: Mapping[str, Any], is_dir: bool) -> List[str]:
-    """What the output holds that its manifest does not vouch for: every file of a folder, or the file itself."""
+    """What the output holds that its manifest does not vouch for: a file, a link or an empty folder of a
+    folder output (ckptshard writes none of the latter two), or the file itself."""
     if not is_dir:
         return [] if os.path.basename(output) in files else [os.path.basename(output)]
     out = []
-    for root, _dirs, names in os.walk(output):
+    for root, dirs, names in os.walk(output):
+        if root != output and not dirs and not names:
+            out.append(os.path.relpath(root, output) + os.sep)
+        out += [
+            os.path.relpath(os.path.join(root, d), output) + os.sep
+            for d in dirs
+            if os.path.islink(os.path.join(root, d))
+        ]
         for n in names:
             rel = os.path.relpath(os.path.join(root, n), output)
             if rel != MANIFEST and rel not in files:

@@ -13,9 +13,10 @@ name wins; a tensor tied to a ruled one is split like it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..layout.dim_shards import row_runs
@@ -56,13 +57,48 @@ def parse_rule(text: str) -> MpRule:
     if not sep or not pattern or not m:
         raise CheckpointError(f"--mp-rule {text!r}: expected REGEX=DIM or REGEX=DIM/GROUPS, e.g. 'fc1\\.weight$=0'")
     try:
-        re.compile(pattern)
+        parsed = _regex_parser().parse(pattern)
     except re.error as e:
         raise CheckpointError(f"--mp-rule {text!r}: bad regular expression: {e}") from None
+    if _nested_repeat(parsed):
+        raise CheckpointError(
+            f"--mp-rule {text!r}: a repeat inside a repeat (like '(a*)*') can take exponential time on long "
+            "names; write the pattern without nesting them"
+        )
     groups = int(m[2] or 1)
     if groups < 1:
         raise CheckpointError(f"--mp-rule {text!r}: groups must be >= 1")
     return MpRule(pattern, int(m[1]), groups)
+
+
+def check_tolerance(tolerance: float) -> None:
+    """``--mp-tolerance``: a finite relative difference, 0 or more (NaN would compare as within it)."""
+    if not isinstance(tolerance, (int, float)) or not math.isfinite(tolerance) or tolerance < 0:
+        raise CheckpointError(f"--mp-tolerance must be a finite number >= 0, got {tolerance!r}")
+
+
+def _regex_parser() -> Any:
+    try:
+        import re._parser as parser  # Python 3.11+
+    except ImportError:
+        import sre_parse as parser  # type: ignore[no-redef]
+    return parser
+
+
+def _nested_repeat(parsed: Any, inside: bool = False) -> bool:
+    """Whether a repeat of more than one occurrence holds another: Python's ``re`` backtracks
+    exponentially on such patterns, and offers no time limit."""
+    for op, arg in parsed:
+        name = str(op)
+        if name.endswith("_REPEAT"):
+            many = arg[1] > 1  # the most occurrences; MAXREPEAT (unbounded) included
+            if (many and inside) or _nested_repeat(arg[2], inside or many):
+                return True
+        elif (name in ("SUBPATTERN", "ASSERT", "ASSERT_NOT") and _nested_repeat(arg[-1], inside)) or (
+            name == "BRANCH" and any(_nested_repeat(b, inside) for b in arg[1])
+        ):
+            return True
+    return False
 
 
 def rules_from(rules: Sequence[str], presets: Sequence[str]) -> List[MpRule]:

@@ -126,6 +126,8 @@ class TargetMesh:
                     f"--mesh-dim-names {','.join(names)}: the mesh at {world} ranks has {dims} dimension(s) "
                     f"({'replicas, shards' if dims == 2 else 'shards'})"
                 )
+            if len(set(names)) != len(names):
+                raise CheckpointError(f"--mesh-dim-names {','.join(names)}: a device mesh's names must differ")
             self.dim_names: Optional[Tuple[str, ...]] = tuple(names)
             return
         first = next((v for v in ranks.models[0].values() if isinstance(v, DTensorRef)), None)

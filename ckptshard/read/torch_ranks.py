@@ -17,6 +17,7 @@ placements on every rank, and each rank's piece the size FSDP2 cuts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, replace
@@ -66,6 +67,30 @@ class RankFiles:
             return []
         return sorted(n for n in os.listdir(self.folder) if not VERL_NAME.match(n))
 
+    def carried_files(self) -> List[Tuple[str, str]]:
+        """Every file of :meth:`carried` entries as (path relative to the folder, path), in manifest order.
+
+        Each must be a regular file or a link to one, and is recorded as an input (so a change while the
+        output is written stops it): a link to ``/dev/zero`` would otherwise be copied until the disk is
+        full. Checked before any byte is written."""
+        out: List[Tuple[str, str]] = []
+        for name in self.carried():
+            path = os.path.join(self.folder, name)
+            if not os.path.isdir(path):
+                out.append((name, path))
+                continue
+            found = []
+            for d, dirs, fs in os.walk(path):
+                linked = next((x for x in dirs if os.path.islink(os.path.join(d, x))), None)
+                if os.path.islink(path) or linked is not None:
+                    where = path if os.path.islink(path) else os.path.join(d, linked or "")
+                    raise CheckpointError(f"{where}: a link to a folder; copy the folder itself in its place")
+                found += [os.path.join(d, f) for f in fs]
+            out += sorted((os.path.relpath(p, self.folder), p) for p in found)
+        for _, path in out:
+            input_file(path)
+        return out
+
 
 def find_verl(src: str) -> Optional[RankFiles]:
     """verl's per-rank files in folder ``src`` (or the folder of one of them); None if it has none."""
@@ -76,7 +101,10 @@ def find_verl(src: str) -> Optional[RankFiles]:
     for name in sorted(os.listdir(folder)):
         m = VERL_NAME.match(name)
         if m:
-            found.setdefault(m["kind"], {}).setdefault(int(m["ws"]), {})[int(m["rank"])] = os.path.join(folder, name)
+            by_rank = found.setdefault(m["kind"], {}).setdefault(int(m["ws"]), {})
+            twin = by_rank.setdefault(int(m["rank"]), name)
+            if twin != name:  # rank_1 and rank_01: either could be taken
+                raise CheckpointError(f"{folder}: rank {int(m['rank'])} is named twice: {twin} and {name}; keep one")
     if "model" not in found:
         return None
     sizes = sorted({ws for by_ws in found.values() for ws in by_ws})
@@ -86,13 +114,29 @@ def find_verl(src: str) -> Optional[RankFiles]:
     kinds: Dict[str, Tuple[str, ...]] = {}
     for kind, by_ws in found.items():
         by_rank = by_ws[world]
-        missing = [r for r in range(world) if r not in by_rank]
-        if missing or len(by_rank) != world:
-            extra = sorted(r for r in by_rank if r >= world)
-            what = f"rank {missing[0]} is missing" if missing else f"rank {extra[0]} is beyond world size {world}"
+        if len(by_rank) != world or max(by_rank) >= world:  # counted first: a name may claim 10**12 ranks
+            missing = next((r for r in range(len(by_rank) + 1) if r not in by_rank), None)
+            beyond = sorted(r for r in by_rank if r >= world)
+            what = f"rank {beyond[0]} is beyond world size {world}" if beyond else f"rank {missing} is missing"
             raise CheckpointError(f"{folder}: {kind}_world_size_{world}_rank_*.pt: {what}")
-        kinds[kind] = tuple(by_rank[r] for r in range(world))
+        kinds[kind] = tuple(os.path.join(folder, by_rank[r]) for r in range(world))
     return RankFiles(folder, world, kinds["model"], kinds.get("optim"), kinds.get("extra_state"))
+
+
+CONFIG_LIMIT = 1 << 20  # bytes of fsdp_config.json read at most: verl's is a few dozen
+
+
+def read_fsdp_config(path: str) -> Any:
+    """``fsdp_config.json``, as one line of error where it is no regular file, too long or not JSON."""
+    if input_file(path).st_size > CONFIG_LIMIT:
+        raise CheckpointError(f"{path}: larger than {CONFIG_LIMIT:,} bytes; not a verl fsdp_config.json")
+    with open(path, "rb") as f:
+        text = f.read(CONFIG_LIMIT + 1)
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else "not JSON"
+        raise CheckpointError(f"{path}: {why}") from None
 
 
 def _read(path: str) -> Any:

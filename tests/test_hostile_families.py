@@ -1,0 +1,195 @@
+"""Hostile and unlucky inputs of the torch FSDP and model-parts families, against real FSDP2 files made on gloo:
+each is refused in one line with exit 2 and nothing written, or bounded before anything is sized by it."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import _once
+from test_torch_fsdp_files import CODE
+
+import ckptshard
+from ckptshard.errors import CheckpointError
+from ckptshard.layout.chunking import MAX_WORLD_SIZE
+from ckptshard.testing import torch_fsdp_runs
+from ckptshard.testing.synthetic import write_synthetic_parts
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(cache_root):
+    return _once(cache_root / f"fsdp2-ws3-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 3))
+
+
+@pytest.fixture
+def src(fsdp2_run, tmp_path):
+    """A copy of a verl-layout FSDP2 checkpoint at world size 3, without the oracle's files."""
+    dst = tmp_path / "src"
+    shutil.copytree(fsdp2_run, dst, ignore=shutil.ignore_patterns("ref", ".done"))
+    return dst
+
+
+def cli(*args, timeout=120):
+    cmd = [sys.executable, "-m", "ckptshard.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(res, needle):
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and needle in errors[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_a_rank_named_twice_is_refused_naming_both_files(src, tmp_path):
+    shutil.copy(src / "model_world_size_3_rank_1.pt", src / "model_world_size_3_rank_01.pt")
+    res = cli("reshard", src, "-n", 2, "-o", tmp_path / "out")
+    one_line_error(res, "rank 1 is named twice: model_world_size_3_rank_01.pt and model_world_size_3_rank_1.pt")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_world_size_of_a_trillion_in_a_file_name_is_refused_at_once(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"model_world_size_{10**12}_rank_0.pt").write_bytes(b"")
+    began = time.monotonic()
+    with pytest.raises(CheckpointError, match="rank 1 is missing"):
+        ckptshard.consolidate(str(src), str(tmp_path / "out.pt"), progress=False)
+    assert time.monotonic() - began < 10
+
+
+def test_a_shard_name_claiming_a_trillionth_rank_is_refused_at_once(tmp_path):
+    src = str(tmp_path / "src")
+    write_synthetic_parts(src, 1, 2, 2, 8)
+    shard = "checkpoint_last-model_part-0-shard{}.pt"
+    os.rename(os.path.join(src, shard.format(1)), os.path.join(src, shard.format(10**12)))
+    began = time.monotonic()
+    with pytest.raises(CheckpointError, match="missing"):
+        ckptshard.consolidate(src, str(tmp_path / "out.pt"), progress=False)
+    assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("n", [0, MAX_WORLD_SIZE + 1, 10**12])
+def test_a_target_world_size_out_of_bounds_is_one_line(src, tmp_path, n):
+    began = time.monotonic()
+    res = cli("reshard", src, "-n", n, "-o", tmp_path / "out")
+    one_line_error(res, f"--world-size must be between 1 and {MAX_WORLD_SIZE:,}")
+    assert time.monotonic() - began < 30 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["-n", 2, "--model-parallel", 0, "--mp-rules", "metaseq"], "--model-parallel must be between 1"),
+        (["-n", 10**12], "--world-size must be between 1"),
+        (["-n", 2, "--mp-tolerance", "nan"], "--mp-tolerance must be a finite number"),
+        (["-n", 2, "--mp-tolerance", "-1"], "--mp-tolerance must be a finite number"),
+        (["-n", 2, "--mp-rule", "(.*)*Q$=0"], "a repeat inside a repeat"),
+    ],
+    ids=["model-parallel-0", "world-size-1e12", "tolerance-nan", "tolerance-negative", "exponential-regex"],
+)
+def test_model_parts_options_that_cannot_be_meant_are_one_line(tmp_path, args, needle):
+    src = str(tmp_path / "src")
+    write_synthetic_parts(src, 2, 2, 2, 8)
+    res = cli("reshard", src, *args, "-o", tmp_path / "out", timeout=30)
+    one_line_error(res, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_differing_shared_tensor_is_not_accepted_by_a_nan_tolerance(tmp_path):
+    src = str(tmp_path / "src")
+    write_synthetic_parts(src, 2, 2, 2, 8, drift=1e-3)
+    with pytest.raises(CheckpointError, match="--mp-tolerance must be a finite number"):
+        ckptshard.consolidate(src, str(tmp_path / "o.pt"), mp_rules=["layers=0"], mp_tolerance=float("nan"))
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_an_output_inside_the_source_folder_is_refused(src):
+    before = sorted(os.listdir(src))
+    res = cli("reshard", src, "-n", 2, "-o", src / "resharded")
+    one_line_error(res, "lies inside the input folder")
+    assert sorted(os.listdir(src)) == before
+
+
+def test_duplicate_mesh_dim_names_are_one_line(src, tmp_path):
+    res = cli("reshard", src, "-n", 4, "--shard-group", 2, "--mesh-dim-names", "fsdp,fsdp", "-o", tmp_path / "out")
+    one_line_error(res, "a device mesh's names must differ")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["/dev/zero", "/dev/urandom"])
+def test_a_carried_file_that_is_a_device_is_refused_before_any_byte(src, tmp_path, target):
+    os.symlink(target, src / "huggingface" / "tokenizer.bin")
+    res = cli("reshard", src, "-n", 2, "-o", tmp_path / "out", timeout=60)
+    one_line_error(res, "is a character device")
+    assert not (tmp_path / "out").exists() and not [p for p in os.listdir(tmp_path) if p.startswith("out")]
+
+
+def test_a_carried_folder_behind_a_link_is_refused(src, tmp_path):
+    os.symlink(src / "huggingface", src / "hf-link")
+    res = cli("reshard", src, "-n", 2, "-o", tmp_path / "out")
+    one_line_error(res, "a link to a folder")
+
+
+def _fifo(path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _deep(path):
+    path.write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _zero(path):
+    path.unlink()
+    os.symlink("/dev/zero", path)
+
+
+def _huge(path):
+    path.write_text(json.dumps({"FSDP_version": 2, "world_size": 3, "pad": "x" * (2 << 20)}))
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [(_fifo, "is a named pipe"), (_deep, "nested too deeply"), (_zero, "is a character device"), (_huge, "larger")],
+    ids=["named-pipe", "nested-100000-deep", "link-to-dev-zero", "3-MiB"],
+)
+def test_a_hostile_fsdp_config_is_one_line(src, tmp_path, damage, needle):
+    damage(src / "fsdp_config.json")
+    res = cli("reshard", src, "-n", 2, "-o", tmp_path / "out", timeout=60)
+    one_line_error(res, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_carried_file_rewritten_while_the_output_is_written_stops_the_run(src, tmp_path, monkeypatch):
+    from ckptshard.execute import reshard as reshard_module
+
+    real = reshard_module._carry
+
+    def rewrite_then_carry(carried, config, folder, world):
+        (src / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 3, "changed": 1}))
+        return real(carried, config, folder, world)
+
+    monkeypatch.setattr(reshard_module, "_carry", rewrite_then_carry)
+    with pytest.raises(CheckpointError, match="fsdp_config.json: changed while ckptshard was reading it"):
+        ckptshard.reshard(str(src), str(tmp_path / "out"), 2, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_keeps_an_output_the_user_added_an_empty_folder_or_a_link_to(src, tmp_path):
+    out = tmp_path / "out"
+    ckptshard.reshard(str(src), str(out), 2, progress=False)
+    (out / "notes").mkdir()
+    res = cli("reshard", src, "-n", 4, "-o", out, "--overwrite")
+    one_line_error(res, "holds files its manifest does not list (notes/)")
+    assert (out / "notes").is_dir()
+    (out / "notes").rmdir()
+    os.symlink(tmp_path, out / "elsewhere")
+    res = cli("reshard", src, "-n", 4, "-o", out, "--overwrite")
+    one_line_error(res, "holds files its manifest does not list (elsewhere/)")
+    assert (out / "elsewhere").is_symlink()
+    (out / "elsewhere").unlink()
+    assert cli("reshard", src, "-n", 4, "-o", out, "--overwrite", "-q").returncode == 0
