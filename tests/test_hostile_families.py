@@ -193,3 +193,87 @@ def test_overwrite_keeps_an_output_the_user_added_an_empty_folder_or_a_link_to(s
     assert (out / "elsewhere").is_symlink()
     (out / "elsewhere").unlink()
     assert cli("reshard", src, "-n", 4, "-o", out, "--overwrite", "-q").returncode == 0
+
+
+def _edit_optim(path, edit):
+    import torch
+
+    osd = torch.load(path, map_location="cpu", weights_only=False)
+    edit(osd)
+    torch.save(osd, path)
+
+
+def _step_plus_5(osd):
+    pid = sorted(osd["state"])[0]
+    osd["state"][pid]["step"] = osd["state"][pid]["step"] + 5
+
+
+def _other_lr(osd):
+    osd["param_groups"][0]["lr"] *= 2
+
+
+def _renumbered(osd):
+    osd["state"] = {pid + 100: v for pid, v in osd["state"].items()}
+    for g in osd["param_groups"]:
+        g["params"] = [pid + 100 for pid in g["params"]]
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (_step_plus_5, "optimizer files of different steps"),
+        (_other_lr, "param_groups[0].lr is"),
+        (_renumbered, "optimizer state of other parameters than rank 0's"),
+    ],
+    ids=["step-plus-5", "another-lr", "ids-renumbered"],
+)
+def test_one_ranks_optimizer_file_of_another_step_or_run_is_refused(src, tmp_path, edit, needle):
+    _edit_optim(src / "optim_world_size_3_rank_1.pt", edit)
+    for args in (
+        ("consolidate", src, "-o", tmp_path / "out.pt", "--optimizer"),
+        ("reshard", src, "-n", 2, "-o", tmp_path / "out"),
+        ("convert", src, "--to", "dcp", "-o", tmp_path / "out.dcp"),
+    ):
+        one_line_error(cli(*args), needle)
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_optimizer_state_renumbered_on_every_rank_is_refused_not_dropped(src, tmp_path):
+    def state_only(osd):
+        osd["state"] = {pid + 100: v for pid, v in osd["state"].items()}
+
+    for r in range(3):
+        _edit_optim(src / f"optim_world_size_3_rank_{r}.pt", state_only)
+    one_line_error(cli("reshard", src, "-n", 2, "-o", tmp_path / "out"), "which no param_group lists")
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(cache_root):
+    return _once(cache_root / f"fsdp2-hsdp-2x2-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 4, replicas=2))
+
+
+def test_hsdp_replicas_whose_optimizer_files_disagree_are_refused(hsdp_run, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(hsdp_run, src, ignore=shutil.ignore_patterns("ref", ".done"))
+    _edit_optim(src / "optim_world_size_4_rank_3.pt", _step_plus_5)  # replica 1's second shard
+    one_line_error(
+        cli("consolidate", src, "-o", tmp_path / "o.pt", "--optimizer"), "optimizer files of different steps"
+    )
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_optimizer_state_no_param_group_lists_is_refused(tmp_path):
+    from ckptshard.read.torch_ranks import check_optimizers_agree
+
+    groups = [{"params": [0, 1], "lr": 0.1}]
+    with pytest.raises(CheckpointError, match="state for parameter id 7, which no param_group lists"):
+        check_optimizers_agree([{"state": {0: {}, 7: {}}, "param_groups": groups}], ["optim_rank_0.pt"])
+    check_optimizers_agree([{"state": {0: {"step": 3.0}}, "param_groups": groups}] * 2, ["a", "b"])
+    with pytest.raises(CheckpointError, match=r"state\[0\]\['step'\] is 4.0, a's is 3.0"):
+        check_optimizers_agree(
+            [
+                {"state": {0: {"step": 3.0}}, "param_groups": groups},
+                {"state": {0: {"step": 4.0}}, "param_groups": groups},
+            ],
+            ["a", "b"],
+        )

@@ -32,7 +32,7 @@ from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, wh
 from ..tree import leaves, map_leaves
 from .discover import find_shards
 from .full_state import full_state_refs, keeps_model_order
-from .tensor_data import repeated_values
+from .tensor_data import read_scalars, repeated_values
 from .torch_file import read_torch_file
 
 VERL_NAME = re.compile(r"^(?P<kind>model|optim|extra_state)_world_size_(?P<ws>\d+)_rank_(?P<rank>\d+)\.pt$")
@@ -303,8 +303,10 @@ class TorchRanks:
         self._check_models()
         self.optims = None
         if files.optim:
-            self.optims = [map_leaves(self._optim(p), _shard_piece) for p in self.optim_paths]
+            read = {p: self._optim(p) for p in files.optim}  # HSDP: every replica's, compared below
+            self.optims = [map_leaves(read[p], _shard_piece) for p in self.optim_paths]
             self._check_optims()
+            check_optimizers_agree(list(read.values()), list(read))
         self.params_known = not self.no_shard
         self._no_shard_error: Optional[CheckpointError] = None  # kept for what needs the parameters told
         if self.no_shard and self.optims is not None:
@@ -692,6 +694,51 @@ class TorchRanks:
             if isinstance(v, TensorRef) and v.shape and tuple(v.shape) != shape:
                 raise CheckpointError(f"{where}: {name}'s {key} has shape {tuple(v.shape)}, the parameter {shape}")
         return {k: whole(v) if isinstance(v, TensorRef) else v for k, v in entry.items()}
+
+
+def _is_scalar(v: Any) -> bool:
+    """One value per parameter, the same on every rank: a 0-d tensor (Adam's ``step``) or a number (a moment's
+    slice of one element is 1-d)."""
+    if isinstance(v, TensorRef):
+        return v.shape == ()
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_optimizers_agree(osds: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> None:
+    """Refuse optimizer files of different steps or runs, as far as the files tell: every file's
+    param_groups (learning rate, betas... all but the ids) and each parameter's one-element state (Adam's
+    ``step``) must agree with every other file's, and no state may belong to an id no group lists (it would
+    be dropped from the output). Which step a model file is of, no file records (docs/errors.md)."""
+    first, where = osds[0], paths[0]
+    listed = {pid for g in first["param_groups"] for pid in g.get("params", ())}
+    scalars: Dict[Tuple[Any, str], Tuple[Any, str]] = {}
+    for osd, path in zip(osds, paths):
+        for i, (g, g0) in enumerate(zip(osd["param_groups"], first["param_groups"])):
+            key = next((k for k in sorted(set(g) | set(g0), key=str) if k != "params" and g.get(k) != g0.get(k)), None)
+            if key is not None:
+                raise CheckpointError(
+                    f"{path}: param_groups[{i}].{key} is {g.get(key)!r}, {os.path.basename(where)} says "
+                    f"{g0.get(key)!r}: optimizer files of different runs or steps"
+                )
+        stray = next((pid for pid in osd["state"] if pid not in listed), None)
+        if stray is not None:
+            raise CheckpointError(f"{path}: optimizer state for parameter id {stray!r}, which no param_group lists")
+        refs = [
+            ((pid, k), v)
+            for pid, entry in osd["state"].items()
+            for k, v in (entry.items() if isinstance(entry, Mapping) else ())
+            if _is_scalar(v)
+        ]
+        values = read_scalars([v for _, v in refs if isinstance(v, TensorRef)])
+        it = iter(values)
+        for key, v in refs:
+            value = next(it) if isinstance(v, TensorRef) else v
+            seen = scalars.setdefault(key, (value, path))
+            if seen[0] != value:
+                raise CheckpointError(
+                    f"{path}: state[{key[0]}][{key[1]!r}] is {value}, {os.path.basename(seen[1])}'s is {seen[0]}: "
+                    "optimizer files of different steps"
+                )
 
 
 def flat_prefix(name: str) -> Optional[str]:
