@@ -646,6 +646,14 @@ def verify(ctx: click.Context, path: str) -> None:
     default=None,
     help="Folder for the runs' checkpoints (default: a temporary one, removed).",
 )
+@click.option(
+    "--step-timeout",
+    type=float,
+    default=300.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Stop every rank of a run in which no rank finishes a step for this long (start-up included).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON (per-step losses included).")
 @common_trust
 @click.option(
@@ -666,6 +674,7 @@ def verify_resume(
     container: Optional[str],
     device: str,
     work: Optional[str],
+    step_timeout: float,
     as_json: bool,
     trust_pickles: bool,
     plot: Optional[str],
@@ -722,6 +731,7 @@ def verify_resume(
             from_checkpoint=from_checkpoint,
             work=work,
             trust_pickles=trust_pickles,
+            step_timeout=step_timeout,
         ),
     )
     click.echo(json.dumps(results_json(results), indent=2) if as_json else format_table(results))

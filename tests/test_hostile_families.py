@@ -277,3 +277,54 @@ def test_optimizer_state_no_param_group_lists_is_refused(tmp_path):
             ],
             ["a", "b"],
         )
+
+
+def _rewrite_pickle(path, old, new):
+    """``path`` re-zipped with ``old`` replaced by ``new`` in its data.pkl (CRCs right, records stored)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        records = [(i, zf.read(i.filename)) for i in zf.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for info, data in records:
+            zf.writestr(info, data.replace(old, new) if info.filename.endswith("data.pkl") else data)
+
+
+def test_a_dtensor_that_states_another_dtype_than_its_bytes_is_refused(src, tmp_path):
+    _rewrite_pickle(src / "model_world_size_3_rank_1.pt", b"torch\nfloat32\n", b"torch\nfloat64\n")
+    for args in (("reshard", src, "-n", 2, "-o", tmp_path / "out"), ("consolidate", src, "-o", tmp_path / "o.pt")):
+        one_line_error(cli(*args), "a DTensor that says torch.float64 over a local tensor of torch.float32")
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_a_torch_distributed_function_in_a_dtensor_pickle_is_refused_not_passed_on(src, tmp_path):
+    marker = b"torch.distributed.distributed_c10d\nbarrier\n"
+    _rewrite_pickle(src / "model_world_size_3_rank_1.pt", b"torch.distributed.tensor.placement_types\nShard\n", marker)
+    for args in (("reshard", src, "-n", 2, "-o", tmp_path / "out"), ("inspect", src)):
+        one_line_error(cli(*args), "torch.distributed.distributed_c10d.barrier")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_torch_distributed_class_made_by_a_call_is_refused(tmp_path):
+    """torch pickles its distributed classes with NEWOBJ (enums aside): REDUCE on one would run its __init__
+    on load, in ckptshard's output as much as in the input."""
+    import pickle
+    import zipfile
+
+    from ckptshard.formats.torch_pickle import Unsupported
+    from ckptshard.read.torch_file import read_torch_file
+
+    def craft(module, name):
+        body = pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.MARK + pickle.BININT1 + b"\x02"
+        return pickle.PROTO + b"\x02" + body + pickle.TUPLE + pickle.REDUCE + pickle.STOP
+
+    path = tmp_path / "crafted.pt"
+    for module, name, needle in [
+        ("torch.distributed.device_mesh", "DeviceMesh", "DeviceMesh made by a call"),
+        ("torch.distributed.elastic.multiprocessing", "start_processes", "global torch.distributed.elastic"),
+    ]:
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("archive/data.pkl", craft(module, name))
+            zf.writestr("archive/version", "3\n")
+        with pytest.raises((Unsupported, CheckpointError), match=needle):
+            read_torch_file(str(path))

@@ -137,6 +137,18 @@ def test_verify_resume_from_refuses_a_scheduler_state_that_holds_pickled_code(ti
     assert marker.exists()
 
 
+def test_verify_resume_from_a_checkpoint_of_another_model_is_one_line(tied_run, tmp_path):
+    ckpt = os.path.join(tied_run[0], "uninterrupted-" + _slug(TIED) + "-ws2", "ckpt")
+    other = "ckptshard.recipes.verl_fsdp2:RECIPE"
+    res = _verify_resume_cli(
+        "--recipe", other, "--from", ckpt, "--scenario", "same world size", "--work", str(tmp_path)
+    )
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "a checkpoint of another model than the recipe's" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def _slug(s):
     return "".join(c if c.isalnum() else "-" for c in s).strip("-")
 
@@ -177,6 +189,63 @@ def test_bad_recipes_get_one_line_and_exit_2(name, message, tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+def _all_gone(pids, within=15.0):
+    import time
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return f.read().lower()
+    except OSError:
+        return "zombie"
+
+
+def test_a_recipe_that_hangs_is_stopped_after_the_step_timeout_with_every_rank(tmp_path):
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    began = time.monotonic()
+    cmd = [sys.executable, "-m", "ckptshard.cli", "verify-resume", "--recipe", f"{BROKEN}:HANG"]
+    args = ["--scenario", "same world size", "--step-timeout", "15", "--work", str(tmp_path / "w")]
+    res = subprocess.run(cmd + args, capture_output=True, text=True, env={**os.environ, "HANG_PIDS": str(pids)})
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "no rank finished a step in 15 s" in errors[0], res.stderr
+    assert time.monotonic() - began < 120
+    ranks = [int(p.name) for p in pids.iterdir()]
+    assert len(ranks) == 2 and _all_gone(ranks)
+
+
+def test_sigterm_of_verify_resume_ends_every_rank_it_started(tmp_path):
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    cmd = [sys.executable, "-m", "ckptshard.cli", "verify-resume", "--recipe", f"{BROKEN}:HANG"]
+    args = ["--scenario", "same world size", "--work", str(tmp_path / "w")]
+    proc = subprocess.Popen(cmd + args, env={**os.environ, "HANG_PIDS": str(pids)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # the ranks are inside the hanging step
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err, err
+    ranks = [int(p.name) for p in pids.iterdir()]
+    assert len(ranks) == 2 and _all_gone(ranks)
 
 
 @pytest.mark.parametrize(

@@ -108,3 +108,21 @@ def test_cuda_path(tmp_path):
 
     chosen = [dataclasses.replace(s) for s in DEFAULT_SCENARIOS[:2]]
     assert all(r.ok for r in run_scenarios(str(tmp_path), chosen, device="cuda"))
+
+
+def test_fsdp2_rows_are_not_applicable_on_a_torch_without_fully_shard(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_fully_shard(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "torch.distributed.fsdp" and fromlist and "fully_shard" in fromlist:
+            raise ImportError("cannot import name 'fully_shard' from 'torch.distributed.fsdp'")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", no_fully_shard)
+    fsdp2 = [s for s in DEFAULT_SCENARIOS if "FSDP2" in s.name]
+    results = run_scenarios(str(tmp_path), fsdp2)
+    assert [r.verdict for r in results] == ["not applicable"] * len(fsdp2)
+    assert all(r.ok and "has no FSDP2" in r.problems[0] for r in results)
+    assert not any(tmp_path.iterdir())  # no rank was started

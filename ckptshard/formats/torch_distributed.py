@@ -52,6 +52,8 @@ class Record:
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if is_distributed(self.module) and self.name not in CALLED_CLASSES:
+            raise ValueError(f"{self.qualname} made by a call, which torch never pickles: a crafted file")
         self.called = True  # __new__ kept the arguments; REDUCE calls the class, NEWOBJ only __new__
 
     def __setstate__(self, state: Any) -> None:
@@ -76,6 +78,20 @@ class Record:
 
 _RECORD_CLASSES: Dict[Tuple[str, str], type] = {}
 
+# The torch.distributed classes a DTensor's or ShardedTensor's pickle holds, in the torch releases read so far
+# (their modules move, their names stay). Any other global of torch.distributed is refused: no function of it
+# can run on load, here or in a file written back.
+DISTRIBUTED_CLASSES = frozenset(
+    {
+        "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
+        "Shard", "_StridedShard", "Replicate", "Partial", "_Partial", "_NormPartial",
+        "ShardMetadata", "ShardedTensorMetadata", "TensorProperties", "MEM_FORMAT_ENCODING", "ProcessGroupState",
+        "ChunkShardingSpec", "EnumerableShardingSpec", "_remote_device",
+    }
+)  # fmt: skip
+# Enums pickle as a call of their class on the value; every other class above is made without a call.
+CALLED_CLASSES = frozenset({"MEM_FORMAT_ENCODING"})
+
 
 def record_class(module: str, name: str) -> type:
     """One inert class per ``module.name`` (so two records of one class compare by class)."""
@@ -89,7 +105,7 @@ def record_class(module: str, name: str) -> type:
 
 def record_getattr(owner: Any, name: str) -> Any:
     """``getattr(<record class>, name)``: how ShardedTensor pickles its nested ProcessGroupState class."""
-    if not (isinstance(owner, type) and issubclass(owner, Record)):
+    if not (isinstance(owner, type) and issubclass(owner, Record)) or name not in DISTRIBUTED_CLASSES:
         return None
     module, _, outer = owner.qualname.rpartition(".")
     found = record_class(module, f"{outer}.{name}")
@@ -99,6 +115,11 @@ def record_getattr(owner: Any, name: str) -> Any:
 
 def is_distributed(module: str) -> bool:
     return module == "torch.distributed" or module.startswith("torch.distributed.")
+
+
+def is_distributed_class(module: str, name: str) -> bool:
+    """One of :data:`DISTRIBUTED_CLASSES`, in any module of torch.distributed."""
+    return is_distributed(module) and name in DISTRIBUTED_CLASSES
 
 
 class DTensorType:

@@ -46,7 +46,7 @@ from .torch_distributed import (
     WrapperShell,
     finish_dtensor,
     finish_sharded_tensor,
-    is_distributed,
+    is_distributed_class,
     rebuild_wrapper_subclass,
     record_class,
     record_getattr,
@@ -144,6 +144,8 @@ def _rebuild_from_type_v2(func: Callable[..., Any], new_type: Any, args: Tuple[A
         if piece is None or not isinstance(piece.local, _Tensor) or not isinstance(piece.dtype, _BareDType):
             raise Unsupported("a DTensor of another shape than FSDP2 saves")
         piece.dtype = piece.dtype.dtype
+        if piece.local.storage.dtype != piece.dtype:  # written as the wrapper says, read as the bytes are
+            raise Unsupported(f"a DTensor that says {piece.dtype} over a local tensor of {piece.local.storage.dtype}")
         return piece
     if not isinstance(new_type, _TensorType) or (state and not _plain_attributes(state)):
         raise Unsupported("tensor subclass")
@@ -200,7 +202,7 @@ class _Unpickler(pickle.Unpickler):
             found = _ShardedTensorType(module, name)
         if found is None and (module, name) in (("__builtin__", "getattr"), ("builtins", "getattr")):
             found = _getattr  # only of a torch.distributed record: ShardedTensor's nested classes
-        if found is None and is_distributed(module):  # a DTensor's spec and mesh: inert records
+        if found is None and is_distributed_class(module, name):  # a DTensor's spec and mesh: inert records
             found = record_class(module, name)
         if found is None and self._trusted:  # --trust-pickles: any global, as torch.load(weights_only=False)
             return super().find_class(module, name)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,12 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*_base. is a private function")
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, backend: str, parent: int, fn: Callable[..., Any], args: tuple
+) -> None:
+    from ..execute.parallel import die_with_parent
+
+    die_with_parent(parent)  # a parent stopped by SIGTERM or kill -9 leaves no rank behind
     _quiet_known_warnings()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -49,19 +55,51 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable[..
     os._exit(0)
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> None:
+def beat(path: str) -> None:
+    """A rank's sign of progress (each training step): :func:`run_world`'s ``heartbeat`` file touched."""
+    with open(path, "a"):
+        pass
+    os.utime(path)
+
+
+def run_world(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    heartbeat: Optional[str] = None,
+    idle_timeout: Optional[float] = None,
+) -> None:
     """Spawn ``world_size`` processes, each calling ``fn(rank, world_size, *args)``.
 
     ``backend``: gloo (CPU; every rank installs the CPU compat layer, also on
     a machine with GPUs) or nccl (one GPU per rank, no compat layer).
 
+    ``heartbeat``, ``idle_timeout``: the ranks :func:`beat` that file as they progress; when no rank has
+    for ``idle_timeout`` seconds (start-up counts from the spawn), every rank is killed and TimeoutError
+    raised. Whatever ends the wait (an error, SIGTERM turned into SystemExit, Ctrl-C) kills every rank.
+
     ``fn`` must be importable (module level): the processes are spawned, not
     forked, so a parent that already started torch threads cannot deadlock them.
     """
-    mp.start_processes(
+    context = mp.start_processes(
         _worker,
-        args=(world_size, free_port(), backend, fn, args),
+        args=(world_size, free_port(), backend, os.getpid(), fn, args),
         nprocs=world_size,
-        join=True,
+        join=False,
         start_method="spawn",
     )
+    began = time.time()
+    try:
+        while not context.join(timeout=0.5):
+            if idle_timeout is None:
+                continue
+            last = max(began, os.stat(heartbeat).st_mtime if heartbeat and os.path.exists(heartbeat) else began)
+            if time.time() - last > idle_timeout:
+                raise TimeoutError(f"no rank made progress for {idle_timeout:g} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+        for p in context.processes:
+            p.join()

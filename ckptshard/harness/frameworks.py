@@ -198,9 +198,26 @@ def load_local(
     path = _verl(folder, "model", world, rank)
     if not os.path.isfile(path):
         raise RecipeError(f"{folder}: no {os.path.basename(path)} (torch FSDP2 per-rank files at world size {world})")
-    root.load_state_dict(torch.load(path, weights_only=True))
+    state = torch.load(path, weights_only=True)
+    _check_same_model(root.state_dict(), state, path)
+    root.load_state_dict(state)
     if optim is not None:
         optim.load_state_dict(torch.load(_verl(folder, "optim", world, rank), weights_only=True))
+
+
+def _check_same_model(own: Dict[str, Any], saved: Dict[str, Any], path: str) -> None:
+    """One line naming the first tensor where a checkpoint is not of the recipe's model (torch's own error is a
+    multi-line RuntimeError raised inside a rank)."""
+    for name in [*own, *(k for k in saved if k not in own)]:
+        if name not in saved or name not in own:
+            where = "the checkpoint lacks" if name not in saved else "the recipe's model has no"
+            raise RecipeError(f"{path}: {where} {name}: a checkpoint of another model than the recipe's")
+        a, b = own[name], saved[name]
+        if hasattr(a, "shape") and hasattr(b, "shape") and tuple(a.shape) != tuple(b.shape):
+            raise RecipeError(
+                f"{path}: {name} is {list(b.shape)} in the checkpoint, {list(a.shape)} in the recipe's model: "
+                "a checkpoint of another model than the recipe's"
+            )
 
 
 def load_full(

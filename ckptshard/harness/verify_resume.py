@@ -140,12 +140,23 @@ class _Recipes:
         return self._by[spec]
 
 
+STEP_TIMEOUT = 300.0  # seconds a run may go without any rank finishing a step (start-up included)
+
+
 def _spawn(world: int, job: Dict[str, Any], device: str) -> None:
-    """The recipe on ``world`` ranks; a rule the recipe broke comes back as one line."""
+    """The recipe on ``world`` ranks; a rule the recipe broke, or a step that never ends, comes back as one
+    line."""
     for stale in glob.glob(job["errors"] + ".rank*"):
         os.remove(stale)
+    timeout = job["step_timeout"]
     try:
-        run_world(recipe_worker, world, job, backend="nccl" if device == "cuda" else "gloo")
+        backend = "nccl" if device == "cuda" else "gloo"
+        run_world(recipe_worker, world, job, backend=backend, heartbeat=job["beat"], idle_timeout=timeout)
+    except TimeoutError:
+        raise CheckpointError(
+            f"no rank finished a step in {timeout:g} s (a recipe's batch() or loss() that never returns?); "
+            "every rank was stopped: raise --step-timeout if a step really takes that long"
+        ) from None
     except Exception:
         found = sorted(glob.glob(job["errors"] + ".rank*"))
         if found:
@@ -162,6 +173,22 @@ def checkpoint_world_size(path: str) -> int:
     return ranks.world_size if ranks is not None else open_checkpoint(path).world_size
 
 
+def _no_fsdp2() -> Optional[str]:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.fully_shard, torch 2.6+)"
+    return None
+
+
+def not_applicable(sc: Scenario, recipe: Any) -> List[str]:
+    """Why a scenario cannot run here (a row marked not applicable), or nothing."""
+    if sc.via.startswith("consolidated") and not getattr(recipe, "heads", ()):
+        return ["the recipe names no heads"]
+    missing = _no_fsdp2() if sc.recipe == FSDP2_BUILTIN else None
+    return [missing] if missing else []
+
+
 def run_scenarios(
     work: str,
     scenarios: Optional[Sequence[Scenario]] = None,
@@ -173,6 +200,7 @@ def run_scenarios(
     recipe: Union[str, Any, None] = None,
     from_checkpoint: Optional[str] = None,
     trust_pickles: bool = False,
+    step_timeout: float = STEP_TIMEOUT,
 ) -> List[Result]:
     """Run ``scenarios`` (see :func:`verify_resume`) with ``work`` as the folder for every run's files."""
     if from_checkpoint is None and not 0 < ckpt_step < steps:
@@ -201,7 +229,11 @@ def run_scenarios(
         ref, obj = recipes.get(spec)
         check_global_batch(obj, ref.label, sorted(sizes))
     os.makedirs(work, exist_ok=True)
-    run = _Run(work, recipes, steps, ckpt_step, seed, device, container, from_checkpoint, trust_pickles)
+    if not step_timeout > 0:
+        raise CheckpointError(f"--step-timeout must be a number of seconds above 0, got {step_timeout}")
+    run = _Run(
+        work, recipes, steps, ckpt_step, seed, device, container, from_checkpoint, trust_pickles, float(step_timeout)
+    )
     results: List[Result] = []
     finals: Dict[str, Tuple[str, str]] = {}
     for sc in scenarios:
@@ -237,11 +269,13 @@ class _Run:
         container: Optional[str],
         from_checkpoint: Optional[str],
         trust_pickles: bool,
+        step_timeout: float,
     ) -> None:
         self.work, self.recipes, self.steps, self.seed, self.device = work, recipes, steps, seed, device
         self.container, self.source, self.trust = container, from_checkpoint, trust_pickles
         self.start = 0 if from_checkpoint is not None else ckpt_step
         self._baselines: Dict[Tuple[Optional[str], int], Tuple[str, str]] = {}
+        self.step_timeout = step_timeout
 
     def _job(self, spec: Optional[str], folder: str, **kw: Any) -> Dict[str, Any]:
         ref, obj = self.recipes.get(spec)
@@ -251,6 +285,8 @@ class _Run:
             "device": self.device,
             "container": self.container or getattr(obj, "container", "fairseq"),
             "errors": os.path.join(folder, "error"),
+            "beat": os.path.join(folder, "progress"),
+            "step_timeout": self.step_timeout,
             **kw,
         }
 
@@ -276,8 +312,8 @@ class _Run:
     def scenario(self, sc: Scenario) -> Tuple[Result, Optional[str]]:
         ref, obj = self.recipes.get(sc.recipe)
         steps = f"{self.start}..{self.start if sc.via == 'resave' else self.steps}"
-        if sc.via.startswith("consolidated") and not getattr(obj, "heads", ()):
-            why = ["the recipe names no heads"]
+        why = not_applicable(sc, obj)
+        if why:
             return Result(
                 sc.name, f"{sc.train_ws}->{sc.resume_ws}", steps, 0, 0, False, True, why, ref.label, False
             ), None
@@ -399,6 +435,7 @@ def verify_resume(
     from_checkpoint: Optional[str] = None,
     work: Optional[str] = None,
     trust_pickles: bool = False,
+    step_timeout: float = STEP_TIMEOUT,
 ) -> List[Result]:
     """Prove that resuming works for a model: real multi-process FSDP training, uninterrupted vs stopped,
     converted by ckptshard and resumed.
@@ -424,6 +461,8 @@ def verify_resume(
         work: folder for the runs' checkpoints; a temporary one, removed afterwards, if None.
         trust_pickles: unpickle ``from_checkpoint``'s files without the weights-only safety net (its LR
             scheduler state included): they can run code. Without it no file of the checkpoint runs code.
+        step_timeout: seconds a run may go without any rank finishing a step (start-up and loading
+            included); past it every rank is stopped and CheckpointError raised.
 
     Returns:
         One :class:`Result` per scenario (``ok``, the differences found, the per-step losses, timings).
@@ -433,7 +472,7 @@ def verify_resume(
             differs between ranks, a global batch that depends on the world size), in one line.
     """
     kw: Dict[str, Any] = {"steps": steps, "ckpt_step": ckpt_step, "device": device, "container": container}
-    kw.update(recipe=recipe, from_checkpoint=from_checkpoint, trust_pickles=trust_pickles)
+    kw.update(recipe=recipe, from_checkpoint=from_checkpoint, trust_pickles=trust_pickles, step_timeout=step_timeout)
     if work is not None:
         return run_scenarios(work, scenarios, **kw)
     with tempfile.TemporaryDirectory() as tmp:

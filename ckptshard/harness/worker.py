@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..fsdp.launch import beat
 from ..fsdp.loading import load_checkpoint
 from .frameworks import (
     RecipeError,
@@ -101,6 +102,7 @@ def _train(rank: int, world: int, job: Dict[str, Any]) -> None:
     losses = []
     container = job["container"]
     for step in range(job["start"], job["stop"]):
+        beat(job["beat"])
         torch.manual_seed(step_seed(job["seed"], step, rank))
         batch = to_device(_call(recipe, "batch", step, rank, world), device)
         loss = _call(recipe, "loss", root, batch)
@@ -114,6 +116,7 @@ def _train(rank: int, world: int, job: Dict[str, Any]) -> None:
         losses.append(total.item() / world)
         if job.get("save_at") == step + 1:
             save_rank(framework, root, optim, sched, job["ckpt"], rank, world, step + 1, container)
+    beat(job["beat"])
     save_rank(framework, root, optim, sched, job["final"], rank, world, job["stop"], container)
     full = full_state(framework, root, optim)
     if rank == 0:

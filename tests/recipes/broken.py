@@ -61,7 +61,23 @@ class NoLoss:
     wrap = make_optimizer = batch = build_model
 
 
+class Hang(GroupsRecipe):
+    """Rank 1's batch() never returns from step 2 on (the parent's own check of batch() runs step 0); each rank
+    writes its pid into $HANG_PIDS first, so a test can tell its ranks were all stopped."""
+
+    def batch(self, step, rank, world_size):
+        import os
+        import time
+
+        if dist.is_initialized() and os.environ.get("HANG_PIDS"):
+            open(os.path.join(os.environ["HANG_PIDS"], str(os.getpid())), "w").close()
+            while rank == 1 and step >= 2:
+                time.sleep(1)
+        return super().batch(step, rank, world_size)
+
+
 NON_PERSISTENT = NonPersistentBuffer()
+HANG = Hang()
 HIDDEN_SCHEDULER = HiddenScheduler()
 WORLD_SIZE_BATCH = WorldSizeBatch()
 RANK_MODEL = RankModel()
