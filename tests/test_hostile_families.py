@@ -328,3 +328,45 @@ def test_a_torch_distributed_class_made_by_a_call_is_refused(tmp_path):
             zf.writestr("archive/version", "3\n")
         with pytest.raises((Unsupported, CheckpointError), match=needle):
             read_torch_file(str(path))
+
+
+SLOW_WORKERS = """
+import signal, sys
+sys.path.insert(0, sys.argv[1])
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal, even in the background
+import slow_worker
+import ckptshard.execute.parallel as parallel
+parallel._write_one = slow_worker.never_done
+from ckptshard.cli import main
+sys.argv = ["ckptshard", "reshard", sys.argv[2], "-n", "8", "-o", sys.argv[3], "--jobs", "2", "-q"]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_worker_processes_write_is_quiet_and_ends_them(fixtures, tmp_path, sig):
+    import signal
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    tests = os.path.dirname(__file__)
+    src, out = fixtures[4] / "fairseq", tmp_path / "out"
+    cmd = [sys.executable, "-c", SLOW_WORKERS, tests, str(src), str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "SLOW_WORKER_PIDS": str(pids)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(pids.iterdir())) == 2
+        proc.send_signal(getattr(signal, sig))
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode in (130, 143), (proc.returncode, err)
+    assert "Traceback" not in err and "EOFError" not in err, err
+    workers = [int(p.name) for p in pids.iterdir()]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{w}") for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{w}") for w in workers)
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".out")]

@@ -137,19 +137,37 @@ def map_in_processes(
     # Size pickles as torch.Size elsewhere (so torch.save writes one); on the way to a worker it stays
     # itself, or unpickling the job would import torch (1-2 s and ~200 MiB per worker).
     ForkingPickler.register(Size, _size_as_itself)
-    with ProcessPoolExecutor(
+    pool = ProcessPoolExecutor(
         max_workers=n,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=die_with_parent,
+        initializer=_worker_start,
         initargs=(os.getpid(),),
-    ) as pool:
+    )
+    try:
         futures = [pool.submit(fn, job, *args) for job in jobs]
         out = []
         for f, job in zip(futures, jobs):
             out.append(f.result())
             if done:
                 done(job)
-        return out
+    except BaseException:
+        # Ctrl-C, SIGTERM or a failed job: the workers are killed, not left to find their queue closed
+        # (each would print an EOFError traceback) nor waited for.
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    return out
+
+
+def _worker_start(parent: int) -> None:
+    """A worker process: dies with its parent, and leaves Ctrl-C (sent to the whole terminal's process
+    group) to the parent, which stops it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def writer_threads(files: int) -> int:
