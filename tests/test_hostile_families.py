@@ -269,7 +269,7 @@ def test_optimizer_state_no_param_group_lists_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="state for parameter id 7, which no param_group lists"):
         check_optimizers_agree([{"state": {0: {}, 7: {}}, "param_groups": groups}], ["optim_rank_0.pt"])
     check_optimizers_agree([{"state": {0: {"step": 3.0}}, "param_groups": groups}] * 2, ["a", "b"])
-    with pytest.raises(CheckpointError, match=r"state\[0\]\['step'\] is 4.0, a's is 3.0"):
+    with pytest.raises(CheckpointError, match=r"state\[0\]\['step'\] is 4.0, a's is 3.0: optimizer files of"):
         check_optimizers_agree(
             [
                 {"state": {0: {"step": 3.0}}, "param_groups": groups},
