@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import sys
@@ -13,7 +12,6 @@ from typing import Any, Callable, Optional
 import click
 
 from .errors import CheckpointError
-from .osio.durability import ENV as DURABILITY_ENV
 from .version import __version__
 
 
@@ -91,11 +89,6 @@ common_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar
 common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 
 
-def _no_fsync(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    if value:  # read by osio/durability.py, here and in --jobs workers
-        os.environ[DURABILITY_ENV] = "1"
-
-
 # --jobs 0: chosen from the plan (execute/parallel.py: auto_processes).
 AUTO_JOBS = (
     "0 (the default) chooses: up to one process per core, two files each, where there are 4 files or "
@@ -106,8 +99,6 @@ AUTO_JOBS = (
 common_no_fsync = click.option(
     "--no-fsync",
     is_flag=True,
-    expose_value=False,
-    callback=_no_fsync,
     help="Do not fsync outputs (as cp does): faster, and still renamed into place only when complete, "
     "but a crash or power loss soon after may lose data the manifest vouches for.",
 )
@@ -280,6 +271,7 @@ def consolidate(
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
+    no_fsync: bool,
 ) -> None:
     """Write one full state dict from the shards in SRC, streaming: memory stays
     flat whatever the model's size. Several model-parallel parts are joined
@@ -302,6 +294,7 @@ def consolidate(
             rename=rename,
             dtype=dtype,
             jobs=jobs,
+            fsync=not no_fsync,
             mp_rules=mp_rules,
             mp_presets=mp_presets,
             mp_tolerance=mp_tolerance,
@@ -384,6 +377,7 @@ def reshard(
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
+    no_fsync: bool,
 ) -> None:
     """Reshard SRC to --world-size ranks: weights, metadata and optimizer state,
     exactly as FSDP at that world size would have saved them, in the same
@@ -401,6 +395,7 @@ def reshard(
             trust_pickles=trust_pickles,
             progress=not quiet,
             jobs=jobs,
+            fsync=not no_fsync,
             optimizer=not no_optimizer,
             like=like,
             model_parallel=model_parallel,
@@ -449,6 +444,7 @@ def shard(
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
+    no_fsync: bool,
 ) -> None:
     """Shard a full state dict FULL (.pt, .safetensors, or an index folder) for
     --world-size ranks, wrapped as the checkpoint --like is. Names and shapes
@@ -466,6 +462,7 @@ def shard(
             overwrite=overwrite,
             trust_pickles=trust_pickles,
             progress=not quiet,
+            fsync=not no_fsync,
         ),
     )
     click.echo(f"wrote {len(res.files)} files to {res.folder}: {res.nbytes:,} bytes")
@@ -547,6 +544,7 @@ def convert(
     overwrite: bool,
     trust_pickles: bool,
     quiet: bool,
+    no_fsync: bool,
 ) -> None:
     """Convert SRC (fairscale shards, or a DCP checkpoint folder) to --to.
 
@@ -578,6 +576,7 @@ def convert(
             rename=rename,
             dtype=dtype,
             jobs=jobs,
+            fsync=not no_fsync,
         ),
     )
     if _leads():

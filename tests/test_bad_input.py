@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import ckptshard
 from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
@@ -329,7 +330,7 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     real_wb = writeback._bind()
     if real_wb is not None:
         monkeypatch.setattr(writeback, "_bind", lambda: lambda *a: (calls.append("writeback"), real_wb(*a))[1])
-    monkeypatch.setenv(ENV, "")  # durable; the CLI flag sets it in os.environ, and teardown removes it again
+    monkeypatch.setenv(ENV, "")  # durable by default
     src = str(fixtures[2] / "fairseq")
     args = {"consolidate": ["consolidate", src, "-o"], "reshard": ["reshard", src, "-n", "3", "-o"]}[command]
     durable = CliRunner().invoke(main, args + [str(tmp_path / "a.pt"), "-q"])
@@ -339,12 +340,15 @@ def test_no_fsync_writes_the_same_bytes_without_a_single_fsync(fixtures, tmp_pat
     calls.clear()
     fast = CliRunner().invoke(main, args + [str(tmp_path / "b.pt"), "-q", "--no-fsync"])
     assert fast.exit_code == 0, fast.output
-    assert calls == [] and os.environ.get(ENV) == "1"
+    assert calls == [] and os.environ.get(ENV) == ""  # a parameter of the call, not the process's environment
+    library = getattr(ckptshard, command)
+    library(src, tmp_path / "c.pt", *([3] if command == "reshard" else []), progress=False, fsync=False)
+    assert calls == []
 
     def written(name):  # every output file but the manifests (they name the command), by relative path
         root = tmp_path / name
         files = [root] if root.is_file() else sorted(root.iterdir())
         return {p.name.replace(name, ""): p.read_bytes() for p in files if "manifest" not in p.name}
 
-    assert written("a.pt") == written("b.pt") and written("a.pt")
+    assert written("a.pt") == written("b.pt") == written("c.pt") and written("a.pt")
     assert verify(str(tmp_path / "b.pt")) == []

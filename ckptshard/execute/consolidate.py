@@ -11,7 +11,6 @@ from ..errors import CheckpointError
 from ..formats.safetensors import safetensors_index_plan
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
-from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.model_parallel import MpRule, check_tolerance, rules_from
@@ -30,8 +29,10 @@ from ..write.torch_file import (
     torch_file_size_bound,
     write_torch,
 )
+from .command import command
 from .model_parts import DEFAULT_TOLERANCE, joined_optimizer, joined_weights, part_output
 from .parallel import (
+    AUTO,
     Digests,
     leads,
     merged,
@@ -146,7 +147,7 @@ def write_index_folder(
     source: Dict[str, Any],
     command: str,
     overwrite: bool,
-    jobs: int = 1,
+    jobs: int = AUTO,
 ) -> None:
     """An index-sharded safetensors folder, atomically, with its manifest inside.
 
@@ -193,7 +194,7 @@ def write_full(
     overwrite: bool,
     trust_pickles: bool,
     hashes: Hashes,
-    jobs: int = 1,
+    jobs: int = AUTO,
 ) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
@@ -226,7 +227,7 @@ def optimizer_path(out: str) -> str:
     return stem + ".optim.pt"
 
 
-@watched
+@command
 def consolidate(
     src: str,
     out: str,
@@ -241,11 +242,12 @@ def consolidate(
     strip_prefix: Sequence[str] = (),
     rename: Sequence[str] = (),
     dtype: Optional[str] = None,
-    jobs: int = 1,
+    jobs: int = AUTO,
     mp_rules: Sequence[str] = (),
     mp_presets: Sequence[str] = (),
     mp_tolerance: float = DEFAULT_TOLERANCE,
     like: Optional[str] = None,
+    fsync: bool = True,
 ) -> ConsolidateResult:
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
@@ -271,6 +273,9 @@ def consolidate(
             the same in every part, within ``mp_tolerance`` (relative). Without rules, one full file per part.
         like: for FSDP1 LOCAL_STATE_DICT files, the model's full state dict (safetensors, torch.save or an
             index folder): its names, shapes and ties say what each flat parameter holds.
+
+        fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
+            crash soon after may lose data the manifest vouches for).
 
     Returns:
         ``ConsolidateResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes), ``notes``

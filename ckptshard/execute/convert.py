@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from ..errors import CheckpointError
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
-from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
@@ -42,6 +41,7 @@ from ..write.dcp_files import (
     write_metadata,
 )
 from ..write.torch_file import FILE_OVERHEAD, RECORD_OVERHEAD
+from .command import command
 from .consolidate import (
     check_parallel,
     consolidate,
@@ -53,6 +53,7 @@ from .consolidate import (
     write_full,
 )
 from .parallel import (
+    AUTO,
     Digests,
     leads,
     map_jobs,
@@ -76,7 +77,7 @@ class ConvertResult:
     nbytes: int
 
 
-@watched
+@command
 def convert(
     src: str,
     out: str,
@@ -93,7 +94,8 @@ def convert(
     strip_prefix: Sequence[str] = (),
     rename: Sequence[str] = (),
     dtype: Optional[str] = None,
-    jobs: int = 1,
+    jobs: int = AUTO,
+    fsync: bool = True,
 ) -> ConvertResult:
     """Convert ``src`` (fairscale shards or a DCP folder) into format ``to`` at ``out``.
 
@@ -109,6 +111,9 @@ def convert(
         optimizer: convert optimizer state too, where present.
         max_shard_size, select, strip_prefix, rename, dtype, jobs, overwrite, trust_pickles, progress:
             as for :func:`ckptshard.consolidate`.
+
+        fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
+            crash soon after may lose data the manifest vouches for).
 
     Returns:
         ``ConvertResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes written).

@@ -10,6 +10,7 @@ several hosts the output must be on a filesystem they share.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from ..dtypes import Size
 from ..errors import CheckpointError
+from ..osio.durability import durable, set_fsync
 from ..osio.hashing import Hashes
 from ..osio.libc import bind
 from ..tensors import Progress, tree_nbytes, tree_pieces
@@ -141,7 +143,7 @@ def map_in_processes(
         max_workers=n,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_worker_start,
-        initargs=(os.getpid(),),
+        initargs=(os.getpid(), durable()),
     )
     try:
         futures = [pool.submit(fn, job, *args) for job in jobs]
@@ -161,13 +163,14 @@ def map_in_processes(
     return out
 
 
-def _worker_start(parent: int) -> None:
-    """A worker process: dies with its parent, and leaves Ctrl-C (sent to the whole terminal's process
-    group) to the parent, which stops it."""
+def _worker_start(parent: int, fsync: bool) -> None:
+    """A worker process: dies with its parent, leaves Ctrl-C (sent to the whole terminal's process group) to
+    the parent, which stops it, and makes its outputs durable as the parent's command does."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
+    set_fsync(fsync)
 
 
 def writer_threads(files: int) -> int:
@@ -227,7 +230,10 @@ def map_in_threads(fn: Callable[..., T], jobs: Sequence[Any], n: int, tick: Opti
             tick(nbytes)  # type: ignore[misc]
 
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckptshard writer") as pool:
-        futures = [pool.submit(fn, job, *args, locked if tick else None) for job in jobs]
+        # Each in a copy of this context: the command's input watch and fsync choice (contextvars).
+        futures = [
+            pool.submit(contextvars.copy_context().run, fn, job, *args, locked if tick else None) for job in jobs
+        ]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
         finally:  # a failure, or Ctrl-C in this thread: start nothing more

@@ -13,7 +13,6 @@ from ..errors import CheckpointError
 from ..layout.chunking import check_world_size
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
-from ..osio.inputs import watched
 from ..osio.manifest import MANIFEST, build_manifest, write_json
 from ..plan.model_parallel import MpRule, check_tolerance, rules_from
 from ..plan.reshard import resharded_file
@@ -35,9 +34,11 @@ from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
 from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
+from .command import command
 from .consolidate import ranks_source_info, source_info
 from .model_parts import DEFAULT_TOLERANCE, repartitioned
 from .parallel import (
+    AUTO,
     Digests,
     PlannedFiles,
     merged,
@@ -96,7 +97,7 @@ def write_rank_files(
     overwrite: bool,
     progress: bool,
     source: Dict[str, Any],
-    jobs: int = 1,
+    jobs: int = AUTO,
     names: Optional[List[str]] = None,
 ) -> ReshardResult:
     """Write one file per planned rank tree into folder ``dst``, named like ``template``'s (or ``names``).
@@ -161,7 +162,7 @@ def _write_distributed(
     return ReshardResult(dst, written or names, total)
 
 
-@watched
+@command
 def reshard(
     src: str,
     dst: str,
@@ -170,7 +171,7 @@ def reshard(
     overwrite: bool = False,
     trust_pickles: bool = False,
     progress: bool = True,
-    jobs: int = 1,
+    jobs: int = AUTO,
     optimizer: bool = True,
     like: Optional[str] = None,
     model_parallel: Optional[int] = None,
@@ -179,6 +180,7 @@ def reshard(
     mp_tolerance: float = DEFAULT_TOLERANCE,
     shard_group: Optional[int] = None,
     mesh_dim_names: Optional[Sequence[str]] = None,
+    fsync: bool = True,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
 
@@ -205,6 +207,9 @@ def reshard(
         mesh_dim_names: for torch FSDP2 files, the names of the new device mesh's dimensions, as the training
             code names them (torch loads a DTensor only into a parameter on the same mesh). Default: the
             source's (see ``docs/torch-fsdp.md``).
+
+        fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
+            crash soon after may lose data the manifest vouches for).
 
     Returns:
         ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes), ``notes``
@@ -343,7 +348,7 @@ def _shard_inputs(
     return template, refs, full_optim
 
 
-@watched
+@command
 def shard(
     full: str,
     like: str,
@@ -354,6 +359,7 @@ def shard(
     overwrite: bool = False,
     trust_pickles: bool = False,
     progress: bool = True,
+    fsync: bool = True,
 ) -> ReshardResult:
     """Shard the full state dict ``full`` for ``world_size`` ranks, wrapped as the checkpoint ``like`` is.
 
@@ -365,6 +371,9 @@ def shard(
         optimizer: a full optimizer state (``consolidate(optimizer=True)``'s, or
             ``gather_full_optim_state_dict``'s) to shard too.
         overwrite, trust_pickles, progress: as for :func:`reshard`.
+
+        fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
+            crash soon after may lose data the manifest vouches for).
 
     Returns:
         ``ReshardResult``: ``folder``, ``files``, ``nbytes``, ``notes``.

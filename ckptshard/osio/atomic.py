@@ -13,7 +13,7 @@ import os
 import shutil  # free: zipfile, which every command imports, imports it too
 from typing import Iterator, Optional
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, OutputExists
 from .durability import durable
 from .inputs import check_inputs_unchanged
 from .libc import bind
@@ -73,12 +73,12 @@ def check_output(final: str, overwrite: bool, inputs: tuple = (), is_dir: bool =
                 f"{final}: the name {os.path.basename(c)!r} is longer than the {limit} bytes {parent} allows"
             )
     if os.path.lexists(final) and not overwrite:
-        raise CheckpointError(f"{final}: exists; pass --overwrite to replace it")
+        raise OutputExists(f"{final}: exists; pass --overwrite to replace it")
     if os.path.lexists(final):
         check_replaceable(final, is_dir)
     if not is_dir and os.path.lexists(created[1]):
         if not overwrite:
-            raise CheckpointError(f"{final}: its manifest {created[1]} exists; pass --overwrite to replace it")
+            raise OutputExists(f"{final}: its manifest {created[1]} exists; pass --overwrite to replace it")
         if read_manifest_files(created[1]) is None:
             raise CheckpointError(f"{created[1]}: exists and is not a ckptshard manifest; left it alone")
 

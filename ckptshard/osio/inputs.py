@@ -15,12 +15,13 @@ published from files that did not change while it was written.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import stat
-from typing import Any, Callable, Dict, Iterator, List, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, Tuple, TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InputChanged
 
 T = TypeVar("T")
 FileState = Tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
@@ -33,8 +34,10 @@ _KINDS = (
     (stat.S_ISSOCK, "a socket"),
 )
 
-# One dict per active watch (innermost last); reads outside any watch are checked, not recorded.
-_watches: List[Dict[str, FileState]] = []
+# One dict per active watch (innermost last), per call: two commands run at once in two threads keep
+# their own (writer threads run in a copy of their command's context). Reads outside any watch are
+# checked, not recorded.
+_WATCHES: contextvars.ContextVar[Tuple[Dict[str, FileState], ...]] = contextvars.ContextVar("watches", default=())
 
 
 def _state(st: os.stat_result) -> FileState:
@@ -52,9 +55,10 @@ def input_file(path: str) -> os.stat_result:
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
         raise CheckpointError(f"{path}: is {kind}, not a checkpoint file")
-    if _watches:
+    watches = _WATCHES.get()
+    if watches:
         key = os.path.abspath(path)
-        for seen in _watches:
+        for seen in watches:
             if key in seen and seen[key] != _state(st):
                 raise _changed(path)
             seen.setdefault(key, _state(st))
@@ -62,7 +66,7 @@ def input_file(path: str) -> os.stat_result:
 
 
 def _changed(path: str) -> CheckpointError:
-    return CheckpointError(
+    return InputChanged(
         f"{path}: changed while ckptshard was reading it (is a job still writing it?); "
         "nothing was written: run again once the checkpoint is complete"
     )
@@ -70,7 +74,7 @@ def _changed(path: str) -> CheckpointError:
 
 def check_inputs_unchanged() -> None:
     """Raise if any file read under the active watches has changed or been replaced since its first read."""
-    for seen in _watches:
+    for seen in _WATCHES.get():
         for path, state in seen.items():
             try:
                 now = _state(os.stat(path))
@@ -94,8 +98,8 @@ def watched(fn: Callable[..., T]) -> Callable[..., T]:
 @contextlib.contextmanager
 def watching_inputs() -> Iterator[None]:
     """Record every input read inside the block; outputs renamed inside it check them first."""
-    _watches.append({})
+    token = _WATCHES.set((*_WATCHES.get(), {}))
     try:
         yield
     finally:
-        _watches.pop()
+        _WATCHES.reset(token)

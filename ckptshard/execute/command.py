@@ -1,0 +1,30 @@
+"""What every library command does around its work, in one place."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, TypeVar
+
+from ..osio.durability import fsyncing
+from ..osio.inputs import watching_inputs
+
+T = TypeVar("T")
+
+
+def _path(x: Any) -> Any:
+    return os.fspath(x) if isinstance(x, os.PathLike) else x
+
+
+def command(fn: Callable[..., T]) -> Callable[..., T]:
+    """A library command: paths may be ``os.PathLike``; the inputs it reads are watched for the call
+    (``osio.inputs``), and its outputs fsynced as its ``fsync`` keyword says (default True)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> T:
+        args = tuple(_path(a) for a in args)
+        kwargs = {k: _path(v) for k, v in kwargs.items()}
+        with watching_inputs(), fsyncing(kwargs.get("fsync", True)):
+            return fn(*args, **kwargs)
+
+    return run
