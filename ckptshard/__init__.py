@@ -11,17 +11,25 @@ from __future__ import annotations
 import importlib
 from typing import Any, List
 
-from .errors import CheckpointError
+from .errors import CheckpointError, InputChanged, NotSupported, OutputExists
 from .version import __version__
 
 __all__ = [
     "CheckpointError",
+    "ConsolidateResult",
+    "ConvertResult",
+    "InputChanged",
+    "NotSupported",
+    "OutputExists",
+    "ReshardResult",
+    "Source",
     "__version__",
     "consolidate",
     "convert",
     "inspect_checkpoint",
     "load_checkpoint",
     "open_checkpoint",
+    "open_source",
     "reshard",
     "shard",
     "verify",
@@ -30,11 +38,16 @@ __all__ = [
 ]
 
 _HOME = {
+    "ConsolidateResult": "execute.consolidate",
+    "ConvertResult": "execute.convert",
+    "ReshardResult": "execute.reshard",
+    "Source": "sources.base",
     "consolidate": "execute.consolidate",
     "convert": "execute.convert",
     "inspect_checkpoint": "execute.inspect",
     "load_checkpoint": "fsdp.loading",
     "open_checkpoint": "read.source",
+    "open_source": "sources.probe",
     "reshard": "execute.reshard",
     "shard": "execute.reshard",
     "verify": "execute.verify",

@@ -702,7 +702,7 @@ def verify_resume(
     else:
         from .harness.verify_resume import checkpoint_world_size
 
-        ws = _run(ctx, lambda: checkpoint_world_size(from_checkpoint)) if from_checkpoint else 2
+        ws = _run(ctx, lambda: checkpoint_world_size(from_checkpoint, trust_pickles)) if from_checkpoint else 2
         base = list(recipe_scenarios(ws))
     chosen = [s for s in base if not (names or added) or any(n in s.name for n in names)]
     chosen += [s for s in added if all(s.name != c.name for c in chosen)]

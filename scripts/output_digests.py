@@ -65,7 +65,7 @@ def manifests(folder):
         with open(path) as f:
             files = json.load(f)["files"]
         rel = os.path.relpath(path, folder)
-        found[rel] = {name: [entry.get("size"), entry.get("xxh3") or entry.get("blake3")] for name, entry in files.items()}
+        found[rel] = files  # each file's size and digest
     return found
 
 

@@ -64,7 +64,10 @@ def test_consolidate_and_reshard_commands(fixtures, tmp_path):
         (["inspect", "{tmp}/nothing-here"], "does not exist"),
         (["consolidate", "{fx}/fairseq", "-o", "{tmp}/out.txt"], "cannot tell the format"),
         (["consolidate", "{fx}/fairseq", "-o", "{fx}/fairseq/checkpoint_last-shard0.pt"], "overwrite the input"),
-        (["reshard", "{fx}/fairseq", "-n", "0", "-o", "{tmp}/r"], "--world-size must be between 1 and 1,048,576, got 0"),
+        (
+            ["reshard", "{fx}/fairseq", "-n", "0", "-o", "{tmp}/r"],
+            "--world-size must be between 1 and 1,048,576, got 0",
+        ),
         (["consolidate", "{fx}/fairseq", "-o", "{tmp}/no/such/dir/x.pt"], "does not exist"),
         (["reshard", "{fx}/fairseq", "-n", "4", "--shard-group", "2", "-o", "{tmp}/r"], "for torch FSDP2 per-rank"),
         (["reshard", "{fx}/fairseq", "-n", "4", "--mesh-dim-names", "fsdp", "-o", "{tmp}/r"], "for torch FSDP2"),

@@ -276,7 +276,7 @@ def test_convert_to_dcp_loads_into_fsdp2_at_any_world_size(runs, m, n, tmp_path)
 
 def test_inspect_names_every_tensor_once_and_the_tie(runs):
     s = ckptshard.inspect_checkpoint(str(runs[2]))
-    assert s["format"] == "fsdp2" and s["world_size"] == 2 and s["layout"] == "verl"
+    assert s["format"] == "fsdp2" and s["kind"] == "fsdp2" and s["world_size"] == 2 and s["layout"] == "verl"
     ref = _load(runs[2] / "ref" / "full_model.pt")
     assert [t["name"] for t in s["tensors"]] == list(ref)
     by_name = {t["name"]: t for t in s["tensors"]}

@@ -12,7 +12,8 @@ from ..osio.inputs import watching_inputs
 T = TypeVar("T")
 
 
-def _path(x: Any) -> Any:
+def path_of(x: Any) -> Any:
+    """A path given as ``os.PathLike`` as the ``str`` the commands use; anything else as it is."""
     return os.fspath(x) if isinstance(x, os.PathLike) else x
 
 
@@ -22,8 +23,8 @@ def command(fn: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
-        args = tuple(_path(a) for a in args)
-        kwargs = {k: _path(v) for k, v in kwargs.items()}
+        args = tuple(path_of(a) for a in args)
+        kwargs = {k: path_of(v) for k, v in kwargs.items()}
         with watching_inputs(), fsyncing(kwargs.get("fsync", True)):
             return fn(*args, **kwargs)
 

@@ -16,9 +16,12 @@ from ..plan.consolidate import consolidated_weights, split_by_part
 from ..plan.model_parallel import MpRule, check_tolerance, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
-from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
-from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
-from ..read.torch_ranks import TorchRanks, open_torch_ranks_like
+from ..read.source import ShardedCheckpoint
+from ..sources.base import Source
+from ..sources.fairscale import FairscaleSource, source_info
+from ..sources.model_parts import DEFAULT_TOLERANCE, ModelPartsSource, joined_optimizer, joined_weights, part_output
+from ..sources.probe import open_source
+from ..sources.torch_ranks import TorchRanksSource
 from ..tensors import Fill, tree_nbytes, with_fills
 from ..tree import copy_tree, get_path, set_path
 from ..write.copier import Copier
@@ -30,7 +33,6 @@ from ..write.torch_file import (
     write_torch,
 )
 from .command import command
-from .model_parts import DEFAULT_TOLERANCE, joined_optimizer, joined_weights, part_output
 from .parallel import (
     AUTO,
     Digests,
@@ -106,15 +108,6 @@ def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Opt
         else:
             set_path(tree, c.optimizer, optim)
     return with_fills(tree)
-
-
-def source_info(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
-    return {
-        "files": [os.path.abspath(p) for p in ckpt.files.paths],
-        "container": ckpt.container.kind,
-        "world_size": ckpt.world_size,
-        "fingerprint": fingerprint(ckpt),
-    }
 
 
 def write_file_manifest(output: str, source: Dict[str, Any], command: str, hashes: Optional[Hashes] = None) -> None:
@@ -301,20 +294,24 @@ def consolidate(
         out, fmt, container, optimizer, overwrite, trust_pickles, progress,
         tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs,
     )  # fmt: skip
-    ranks = open_torch_ranks_like(src, like, trust_pickles)
-    if ranks is not None:
-        if container:
-            raise CheckpointError(f"{src}: torch FSDP2 per-rank files have no container to keep: drop --container")
-        return _consolidate_ranks(ranks, req)
-    parts = find_model_parts(src)
     rules = rules_from(mp_rules, mp_presets)
     check_tolerance(mp_tolerance)
-    if parts is not None:
-        return _consolidate_parts(parts, rules, mp_tolerance, req)
+    return consolidate_source(open_source(src, like=like, trust_pickles=trust_pickles), req, rules, mp_tolerance)
+
+
+def consolidate_source(
+    source: Source, req: Request, rules: Sequence[MpRule] = (), tolerance: float = DEFAULT_TOLERANCE
+) -> ConsolidateResult:
+    """:func:`consolidate` of an opened source (``convert`` opens it once for both)."""
+    if isinstance(source, ModelPartsSource):
+        return _consolidate_parts(source, rules, tolerance, req)
     if rules:
-        raise CheckpointError(f"{src}: --mp-rule/--mp-rules given, but it holds one model part")
-    # Read (and so write) without importing torch where the files allow: its import takes seconds.
-    return _consolidate_checkpoint(open_checkpoint(src, trust_pickles, torch_free=True), src, req)
+        raise CheckpointError(f"{source.path}: --mp-rule/--mp-rules given, but it holds one model part")
+    if isinstance(source, FairscaleSource):
+        return _consolidate_checkpoint(source.ckpt, source.path, req)
+    if req.container:
+        raise source.refuse("--container", "only fairscale checkpoints have a container to keep")
+    return _consolidate_plain(source, req)
 
 
 @dataclass(frozen=True)
@@ -392,10 +389,12 @@ def _consolidate_checkpoint(ckpt: ShardedCheckpoint, src: str, req: Request) -> 
     return ConsolidateResult(outputs, len(weights), total, notes)
 
 
-def _consolidate_parts(files: PartFiles, rules: Sequence[MpRule], tolerance: float, req: Request) -> ConsolidateResult:
+def _consolidate_parts(
+    source: ModelPartsSource, rules: Sequence[MpRule], tolerance: float, req: Request
+) -> ConsolidateResult:
     """K model-parallel parts: joined by ``rules`` into the model at model-parallel size 1, or without rules
     one full file per part (``OUT-model_part-K``)."""
-    ckpts = open_model_parts(files, req.trust_pickles)
+    files, ckpts = source.files, source.ckpts
     if not rules:
         reqs = [dataclasses.replace(req, out=part_output(req.out, k)) for k in range(len(ckpts))]
         for r in reqs:  # every output checked before the first is written
@@ -423,24 +422,20 @@ def _consolidate_parts(files: PartFiles, rules: Sequence[MpRule], tolerance: flo
         optim, optim_notes = joined_optimizer(ckpts, rules, tolerance)
         notes += optim_notes
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
-    return ConsolidateResult(_write(req, weights, optim, total, source, files.paths), len(weights), total, notes)
+    written = _write(req, weights, optim, total, source.describe(), files.paths)
+    return ConsolidateResult(written, len(weights), total, notes)
 
 
-def ranks_source_info(ranks: TorchRanks) -> Dict[str, Any]:
-    return {
-        "files": [os.path.abspath(p) for p in ranks.files.paths],
-        "container": "fsdp2-verl" if ranks.files.verl else "fsdp2",
-        "world_size": ranks.world_size,
-    }
-
-
-def _consolidate_ranks(ranks: TorchRanks, req: Request) -> ConsolidateResult:
-    """torch FSDP2 per-rank files: the model's full state dict; ``optimizer``: torch's full optimizer state
-    (``get_optimizer_state_dict(..., full_state_dict=True)``'s, keyed by name) beside it."""
-    weights = req.reshaped(ranks.full_model())
-    optim = ranks.full_optimizer() if req.optimizer else None
+def _consolidate_plain(source: Source, req: Request) -> ConsolidateResult:
+    """Sources whose full state the family reads as a whole (torch FSDP per-rank files, DCP folders): the
+    model's full state dict; ``optimizer``: the full optimizer state beside it, as the family's own full
+    format keys it (torch's ``get_optimizer_state_dict(..., full_state_dict=True)``: by name)."""
+    weights = req.reshaped(source.full_weights())
+    optim = source.full_optimizer() if req.optimizer else None
+    if req.optimizer and optim is None:
+        raise CheckpointError(f"{source.path}: --optimizer given, but {source.family} hold no optimizer state")
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    req = dataclasses.replace(req, trust_pickles=False)
-    outputs = _write(req, weights, optim, total, ranks_source_info(ranks), ranks.files.paths)
+    if isinstance(source, TorchRanksSource):  # read without torch: written without it too
+        req = dataclasses.replace(req, trust_pickles=False)
+    outputs = _write(req, weights, optim, total, source.describe(), source.inputs)
     return ConsolidateResult(outputs, len(weights), total, [])

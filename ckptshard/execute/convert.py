@@ -29,9 +29,11 @@ from ..plan.dcp import (
 )
 from ..plan.shard import check_full_against_plan, sharded_files
 from ..plan.transform import cast_dtype, name_mapper, parse_renames, transform
-from ..read.dcp import is_dcp
-from ..read.source import open_checkpoint
-from ..read.torch_ranks import TorchRanks, open_torch_ranks_like
+from ..sources.base import Source
+from ..sources.dcp import DcpSource
+from ..sources.fairscale import FairscaleSource, source_info
+from ..sources.probe import open_source, open_template
+from ..sources.torch_ranks import TorchRanksSource
 from ..tensors import Progress, is_tensor, tree_nbytes
 from ..write.copier import Copier
 from ..write.dcp_files import (
@@ -43,12 +45,11 @@ from ..write.dcp_files import (
 from ..write.torch_file import FILE_OVERHEAD, RECORD_OVERHEAD
 from .command import command
 from .consolidate import (
+    Request,
     check_parallel,
-    consolidate,
+    consolidate_source,
     full_size_bound,
     output_format,
-    ranks_source_info,
-    source_info,
     write_file_manifest,
     write_full,
 )
@@ -62,10 +63,10 @@ from .parallel import (
     write_folder_across_ranks,
 )
 from .progress import progress_bar
-from .reshard import reshard, write_rank_files
+from .reshard import Split, Target, reshard_source, write_rank_files
 
 if TYPE_CHECKING:
-    from ..read.dcp import DcpCheckpoint
+    pass
 
 TARGETS = ("dcp", "torch", "safetensors", "fairscale")
 
@@ -128,67 +129,63 @@ def convert(
     renames = parse_renames(rename)
     if to == "fairscale" and (world_size is None or world_size < 1):
         raise CheckpointError("--to fairscale needs --world-size N (N >= 1)")
-    if is_dcp(src):
-        return _from_dcp(
-            src,
-            out,
-            to,
-            like,
-            world_size,
-            optimizer,
-            max_shard_size,
-            overwrite,
-            trust_pickles,
-            progress,
-            select,
-            strip_prefix,
-            renames,
-            dtype,
-            jobs,
-        )
-    local_like = like if to == "dcp" else None  # FSDP1 LOCAL_STATE_DICT files: the model's full state dict
-    ranks = open_torch_ranks_like(src, local_like, trust_pickles, "--like with --to dcp")
-    if ranks is not None and to == "dcp":
-        return _ranks_to_dcp(ranks, out, optimizer, overwrite, progress, select, strip_prefix, renames, dtype, jobs)
-    if ranks is not None and to == "fairscale":
-        raise CheckpointError(
-            f"{src}: torch FSDP2 files do not convert to fairscale's: `reshard` moves them to another world size, "
-            "`consolidate` writes one state dict"
-        )
+    source = open_source(src, like=like if to == "dcp" else None, trust_pickles=trust_pickles, like_option=LIKE)
+    shape = (tuple(select), tuple(strip_prefix), tuple(renames), dtype)
     if to == "dcp":
-        return _fairscale_to_dcp(
-            src, out, optimizer, overwrite, trust_pickles, progress, select, strip_prefix, renames, dtype, jobs
-        )
+        return _to_dcp(source, out, optimizer, overwrite, progress, shape, jobs)
     if to == "fairscale":
-        if select or strip_prefix or renames or dtype or like:
-            raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
-        res = reshard(
-            src,
-            out,
-            world_size or 1,
-            overwrite=overwrite,
-            trust_pickles=trust_pickles,
-            progress=progress,
-            jobs=jobs,
-            optimizer=optimizer,
-        )
-        return ConvertResult([res.folder], len(res.files), res.nbytes)
-    _check_format(out, to, max_shard_size)
-    res = consolidate(
-        src,
-        out,
-        max_shard_size=max_shard_size,
-        optimizer=False,
-        overwrite=overwrite,
-        trust_pickles=trust_pickles,
-        progress=progress,
-        select=select,
-        strip_prefix=strip_prefix,
-        rename=rename,
-        dtype=dtype,
-        jobs=jobs,
-    )
+        return _to_fairscale(source, out, like, world_size or 1, optimizer, overwrite, progress, shape, jobs)
+    fmt = _check_format(out, to, max_shard_size)
+    check_parallel(fmt, jobs)
+    if isinstance(source, DcpSource):
+        how = (optimizer, max_shard_size, overwrite, trust_pickles, progress, shape, jobs)
+        return _dcp_to_full(source, out, to, fmt, *how)
+    req = Request(
+        out, fmt, False, optimizer=False, overwrite=overwrite, trust_pickles=trust_pickles, progress=progress,
+        select=tuple(select), strip_prefix=tuple(strip_prefix), renames=tuple(renames), dtype=dtype,
+        max_shard_size=max_shard_size, jobs=jobs,
+    )  # fmt: skip
+    res = consolidate_source(source, req)
     return ConvertResult(res.outputs, res.tensors, res.nbytes)
+
+
+LIKE = "--like with --to dcp"
+Shape = Tuple[Tuple[str, ...], Tuple[str, ...], Tuple[Any, ...], Optional[str]]  # select, strip, renames, dtype
+
+
+def _to_dcp(
+    source: Source, out: str, optimizer: bool, overwrite: bool, progress: bool, shape: Shape, jobs: int
+) -> ConvertResult:
+    if isinstance(source, DcpSource):
+        raise CheckpointError(f"{source.path} is already a DCP checkpoint")
+    if isinstance(source, TorchRanksSource):
+        return _ranks_to_dcp(source, out, optimizer, overwrite, progress, *shape, jobs)
+    if isinstance(source, FairscaleSource):
+        return _fairscale_to_dcp(source, out, optimizer, overwrite, progress, *shape, jobs)
+    raise source.refuse("--to dcp", "consolidate with --mp-rules metaseq first, then convert that full state dict")
+
+
+def _to_fairscale(
+    source: Source,
+    out: str,
+    like: Optional[str],
+    world_size: int,
+    optimizer: bool,
+    overwrite: bool,
+    progress: bool,
+    shape: Shape,
+    jobs: int,
+) -> ConvertResult:
+    if isinstance(source, DcpSource):
+        return _dcp_to_fairscale(source, out, like, world_size, optimizer, overwrite, progress, *shape, jobs)
+    if not isinstance(source, FairscaleSource):
+        raise source.refuse(
+            "--to fairscale", "`reshard` moves them to another world size, `consolidate` writes one state dict"
+        )
+    if any(shape) or like:
+        raise CheckpointError("fairscale -> fairscale is a reshard: --select/--rename/--dtype/--like do not apply")
+    res = reshard_source(source, out, Target(world_size, optimizer), Split(None, (), 0.0), overwrite, progress, jobs)
+    return ConvertResult([res.folder], len(source.full_weights()), res.nbytes)  # tensors, not files
 
 
 def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
@@ -202,11 +199,10 @@ def _check_format(out: str, to: str, max_shard_size: Optional[int]) -> str:
 
 
 def _fairscale_to_dcp(
-    src: str,
+    source: FairscaleSource,
     out: str,
     optimizer: bool,
     overwrite: bool,
-    trust_pickles: bool,
     progress: bool,
     select: Sequence[str],
     strip_prefix: Sequence[str],
@@ -214,12 +210,12 @@ def _fairscale_to_dcp(
     dtype: Optional[str],
     jobs: int,
 ) -> ConvertResult:
-    ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # the DCP writer needs no torch either
+    ckpt = source.ckpt  # read without torch where the files allow: the DCP writer needs none either
     run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths), is_dir=True))
     weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
-    return _write_dcp(plan_dcp(tree), out, overwrite, source_info(ckpt), progress, jobs, len(weights))
+    return _write_dcp(plan_dcp(tree), out, overwrite, source.describe(), progress, jobs, len(weights))
 
 
 def _write_dcp(
@@ -240,7 +236,7 @@ def _write_dcp(
 
 
 def _ranks_to_dcp(
-    ranks: TorchRanks,
+    source: TorchRanksSource,
     out: str,
     optimizer: bool,
     overwrite: bool,
@@ -253,7 +249,8 @@ def _ranks_to_dcp(
 ) -> ConvertResult:
     """torch FSDP per-rank files -> DCP: ``{"model": ..., "optim": ...}`` as FSDP2's own ``dcp.save`` stores
     them."""
-    run_checked(lambda: check_output(out, overwrite, tuple(ranks.files.paths), is_dir=True))
+    ranks = source.ranks
+    run_checked(lambda: check_output(out, overwrite, source.inputs, is_dir=True))
     weights = transform(ranks.full_model(), select, strip_prefix, renames, cast_dtype(dtype))
     tree: Dict[str, Any] = {MODEL: weights}
     if optimizer and ranks.optims is not None:
@@ -264,7 +261,7 @@ def _ranks_to_dcp(
             {**g, "params": [rename(n) for n in g["params"] if rename(n) is not None]} for g in full["param_groups"]
         ]
         tree[OPTIM] = {"state": state, "param_groups": groups}
-    return _write_dcp(plan_dcp(tree), out, overwrite, ranks_source_info(ranks), progress, jobs, len(weights))
+    return _write_dcp(plan_dcp(tree), out, overwrite, source.describe(), progress, jobs, len(weights))
 
 
 def dcp_size_bound(plan: Any) -> int:
@@ -318,95 +315,63 @@ def _dcp_across_ranks(plan: Any, out: str, overwrite: bool, source: Dict[str, An
     write_folder_across_ranks(out, overwrite, dcp_size_bound(plan), rank, world, share, finish)
 
 
-def _dcp_source_info(d: DcpCheckpoint) -> Dict[str, Any]:
-    return {"files": [os.path.abspath(os.path.join(d.folder, f)) for f in d.files], "container": "dcp"}
-
-
-def _from_dcp(
-    src: str,
+def _dcp_to_full(
+    source: DcpSource,
     out: str,
     to: str,
-    like: Optional[str],
-    world_size: Optional[int],
+    fmt: str,
     optimizer: bool,
     max_shard_size: Optional[int],
     overwrite: bool,
     trust_pickles: bool,
     progress: bool,
-    select: Sequence[str],
-    strip_prefix: Sequence[str],
-    renames: Sequence[Any],
-    dtype: Optional[str],
+    shape: Shape,
     jobs: int,
 ) -> ConvertResult:
-    if to == "dcp":
-        raise CheckpointError(f"{src} is already a DCP checkpoint")
-    from ..read.dcp import open_dcp
-
-    d = open_dcp(src, trust_pickles)
-    inputs = tuple(os.path.join(src, f) for f in d.files)
-    if to == "fairscale":
-        return _dcp_to_fairscale(
-            d,
-            out,
-            like,
-            world_size or 1,
-            optimizer,
-            overwrite,
-            trust_pickles,
-            progress,
-            select,
-            strip_prefix,
-            renames,
-            dtype,
-            inputs,
-            jobs,
-        )
-    fmt = _check_format(out, to, max_shard_size)
-    check_parallel(fmt, jobs)
+    """A DCP folder as one torch.save or safetensors output: the whole nested tree where nothing is selected
+    or renamed (what torch's ``format_utils.dcp_to_torch_save`` writes), else its flattened names."""
+    d, inputs = source.dcp, source.inputs
+    select, strip_prefix, renames, dtype = shape
     run_checked(lambda: check_output(out, overwrite, inputs, is_dir=fmt == "safetensors-index"))
     whole = d.tree if optimizer else {k: v for k, v in d.tree.items() if k != OPTIM}
-    reshaping = bool(select or strip_prefix or renames or dtype)
-    if fmt == "torch" and not reshaping:
-        tree: Any = whole  # everything, nested: what format_utils.dcp_to_torch_save writes
-        count = sum(1 for v in flat_tensors(whole, True, src).values() if is_tensor(v))
+    if fmt == "torch" and not any(shape):
+        tree: Any = whole
+        count = sum(1 for v in flat_tensors(whole, True, source.path).values() if is_tensor(v))
     else:
-        tensors = flat_tensors(whole, False, src, select)
+        tensors = flat_tensors(whole, False, source.path, select)
         tree = transform(tensors, select, strip_prefix, renames, cast_dtype(dtype))
         count = len(tree)
     total = tree_nbytes(tree) if fmt == "torch" else sum(f.nbytes for f in tree.values())
     run_checked(lambda: check_space(out, full_size_bound(fmt, tree)))
-    source = _dcp_source_info(d)
+    info = source.describe()
     with Copier() as copier, Hashes() as hashes, progress_bar(total, f"convert -> {to}", progress and leads()) as tick:
-        write_full(
-            out, fmt, tree, copier, tick, source, "convert", max_shard_size, overwrite, trust_pickles, hashes, jobs
-        )
+        how = (max_shard_size, overwrite, trust_pickles, hashes, jobs)
+        write_full(out, fmt, tree, copier, tick, info, "convert", *how)
         if os.path.isfile(out):
-            write_file_manifest(out, source, "convert", hashes)
+            write_file_manifest(out, info, "convert", hashes)
     return ConvertResult([out], count, total)
 
 
 def _dcp_to_fairscale(
-    d: DcpCheckpoint,
+    source: DcpSource,
     out: str,
     like: Optional[str],
     world_size: int,
     optimizer: bool,
     overwrite: bool,
-    trust_pickles: bool,
     progress: bool,
     select: Sequence[str],
     strip_prefix: Sequence[str],
     renames: Sequence[Any],
     dtype: Optional[str],
-    inputs: tuple,
     jobs: int,
 ) -> ConvertResult:
     if like is None:
         raise CheckpointError("--to fairscale needs --like SRC: a fairscale checkpoint whose FSDP wrapping to follow")
     if dtype is not None:
         raise CheckpointError("--dtype does not apply to --to fairscale: shards keep the wrapping's dtypes")
-    template = open_checkpoint(like, trust_pickles, torch_free=d.torch_free)  # one kind of dtype
+    d, inputs = source.dcp, source.inputs
+    template = open_template(like, trust_pickles=False, torch_free=d.torch_free)  # one kind of dtype
     full = transform(model_state(d.tree, d.folder), select, strip_prefix, renames)
     check_full_against_plan(template, full)
     full_optim = None
@@ -430,6 +395,6 @@ def _dcp_to_fairscale(
         full_optim.update(extra)
     check_output(out, overwrite, inputs + tuple(template.files.paths), is_dir=True)
     trees = sharded_files(template, full, world_size, full_optim)
-    source = {"dcp": _dcp_source_info(d), "like": source_info(template)}
-    res = write_rank_files(template, trees, out, f"convert ->{world_size}", overwrite, progress, source, jobs)
+    info = {"dcp": source.describe(), "like": source_info(template)}
+    res = write_rank_files(template, trees, out, f"convert ->{world_size}", overwrite, progress, info, jobs)
     return ConvertResult([res.folder], len(full), res.nbytes)

@@ -12,11 +12,14 @@ from ..layout.chunking import padding
 from ..layout.model import state_dict_name
 from ..plan.torch_ranks import fsdp1_units
 from ..read.containers import container_summary
-from ..read.model_parts import find_model_parts, open_model_parts
-from ..read.source import ShardedCheckpoint, fingerprint, open_checkpoint
-from ..read.torch_ranks import TorchRanks, open_torch_ranks
+from ..read.source import ShardedCheckpoint, fingerprint
+from ..read.torch_ranks import TorchRanks
+from ..sources.dcp import DcpSource
+from ..sources.fairscale import FairscaleSource
+from ..sources.model_parts import ModelPartsSource, summarize_parts
+from ..sources.probe import open_source
+from ..sources.torch_ranks import FAMILIES, TorchRanksSource
 from ..tensors import DTensorRef, TensorRef
-from .model_parts import summarize_parts
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -150,8 +153,9 @@ def _fsdp1_units(ranks: TorchRanks) -> str:
     return f"root{' + ' + kinds if kinds else ''} ({len(units.units)} units), aligned to {units.align} elements"
 
 
-def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
-    """torch FSDP2 per-rank files: each tensor's whole shape and placement, the optimizer, the other files."""
+def summarize_ranks(source: TorchRanksSource) -> Dict[str, Any]:
+    """torch FSDP per-rank files: each tensor's whole shape and placement, the optimizer, the other files."""
+    ranks = source.ranks
     tensors, values, total = [], [], 0
     first_name: Dict[Any, str] = {}
     for name, v in ranks.models[0].items():
@@ -186,7 +190,7 @@ def summarize_ranks(ranks: TorchRanks) -> Dict[str, Any]:
     files = ranks.files
     return {
         "source": files.folder,
-        "format": "fsdp2",
+        "format": source.kind,
         "kind": ranks.kind,
         "local_state_dict": ranks.flat is not None,
         "layout": "verl" if files.verl else "per-rank files",
@@ -209,7 +213,12 @@ def _format_ranks(s: Dict[str, Any]) -> str:
         f"format      torch {s['kind'].upper()} per-rank files ({s['layout']})"
         + (", LOCAL_STATE_DICT: flat parameters (--like FULL reads them)" if s["local_state_dict"] else ""),
         f"world size  {s['world_size']}"
-        + (f" (HSDP: {s['hsdp'][0]} replicas x {s['hsdp'][1]} shards; replica 0's files read)" if s["hsdp"] else ""),
+        + (
+            f" (HSDP: {s['hsdp'][0]} replicas x {s['hsdp'][1]} shards; weights read from replica 0, "
+            "optimizer files compared across replicas)"
+            if s["hsdp"]
+            else ""
+        ),
         f"size        {len(s['tensors'])} tensors, {s['tensor_bytes']:,} bytes; {len(s['values'])} other values",
         "optimizer   none"
         if o is None
@@ -244,18 +253,15 @@ def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
     Raises:
         CheckpointError: a missing, damaged or inconsistent checkpoint.
     """
-    from ..read.dcp import is_dcp  # read.dcp imports no torch; only DCP sources need it loaded
-
-    if is_dcp(src):
-        return summarize_dcp(src, trust_pickles)
-    ranks = open_torch_ranks(src)
-    if ranks is not None:
-        return summarize_ranks(ranks)
-    parts = find_model_parts(src)
-    if parts is not None:
-        ckpts = open_model_parts(parts, trust_pickles)
-        return summarize_parts(parts, ckpts, summarize(ckpts[0]))
-    return summarize(open_checkpoint(src, trust_pickles, torch_free=True))
+    source = open_source(src, trust_pickles=trust_pickles)
+    if isinstance(source, DcpSource):
+        return summarize_dcp(source.path, trust_pickles)
+    if isinstance(source, TorchRanksSource):
+        return summarize_ranks(source)
+    if isinstance(source, ModelPartsSource):
+        return summarize_parts(source.files, source.ckpts, summarize(source.ckpts[0]))
+    assert isinstance(source, FairscaleSource)
+    return summarize(source.ckpt)
 
 
 def _format_dcp(s: Dict[str, Any]) -> str:
@@ -277,7 +283,7 @@ def format_summary(s: Dict[str, Any]) -> str:
     """The human-readable form of :func:`summarize` or :func:`summarize_dcp`."""
     if s.get("format") == "dcp":
         return _format_dcp(s)
-    if s.get("format") == "fsdp2":
+    if s.get("format") in FAMILIES:  # torch FSDP per-rank files
         return _format_ranks(s)
     parts = s.get("model_parallel_parts")
     lines = [

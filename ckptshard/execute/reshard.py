@@ -26,17 +26,20 @@ from ..plan.torch_ranks import (
     shard_group,
 )
 from ..read.full_state import full_state_refs
-from ..read.model_parts import PartFiles, find_model_parts, open_model_parts
+from ..read.model_parts import PartFiles
 from ..read.safe_load import load_lazy
-from ..read.source import ShardedCheckpoint, open_checkpoint
-from ..read.torch_ranks import FSDP_CONFIG, TorchRanks, open_torch_ranks_like, read_fsdp_config
+from ..read.source import ShardedCheckpoint
+from ..read.torch_ranks import FSDP_CONFIG, read_fsdp_config
+from ..sources.base import Source
+from ..sources.fairscale import FairscaleSource, source_info
+from ..sources.model_parts import DEFAULT_TOLERANCE, ModelPartsSource, repartitioned
+from ..sources.probe import open_source, open_template
+from ..sources.torch_ranks import TorchRanksSource
 from ..tensors import TensorRef, tree_nbytes
 from ..tree import leaves
 from ..write.copier import Copier
 from ..write.torch_file import save_plain, torch_file_size_bound, write_torch
 from .command import command
-from .consolidate import ranks_source_info, source_info
-from .model_parts import DEFAULT_TOLERANCE, repartitioned
 from .parallel import (
     AUTO,
     Digests,
@@ -225,35 +228,55 @@ def reshard(
     if model_parallel is not None:
         check_world_size(model_parallel, "--model-parallel")
     check_tolerance(mp_tolerance)
-    ranks = open_torch_ranks_like(src, like, trust_pickles)
-    if ranks is not None:
-        return reshard_ranks(ranks, dst, world_size, overwrite, progress, optimizer, shard_group, mesh_dim_names)
-    if shard_group is not None or mesh_dim_names is not None:
-        raise CheckpointError(f"{src}: --shard-group and --mesh-dim-names are for torch FSDP2 per-rank files")
-    parts = find_model_parts(src)
-    rules = rules_from(mp_rules, mp_presets)
-    if parts is not None:
-        split = Split(model_parallel, rules, mp_tolerance)
-        return _reshard_parts(parts, dst, world_size, overwrite, trust_pickles, progress, jobs, optimizer, split)
-    if model_parallel is not None or rules:
-        raise CheckpointError(f"{src}: --model-parallel/--mp-rule given, but it holds one model part")
-    ckpt = open_checkpoint(src, trust_pickles, torch_free=True)  # torch-free where the files allow
+    source = open_source(src, like=like, trust_pickles=trust_pickles)
+    split = Split(model_parallel, rules_from(mp_rules, mp_presets), mp_tolerance)
+    target = Target(world_size, optimizer, shard_group, mesh_dim_names)
+    return reshard_source(source, dst, target, split, overwrite, progress, jobs)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a reshard writes: FSDP at ``world_size`` (HSDP with ``shard_group``), with optimizer state or not."""
+
+    world_size: int
+    optimizer: bool = True
+    shard_group: Optional[int] = None
+    mesh_dim_names: Optional[Sequence[str]] = None
+
+
+def reshard_source(
+    source: Source, dst: str, target: Target, split: Split, overwrite: bool, progress: bool, jobs: int
+) -> ReshardResult:
+    """:func:`reshard` of an opened source (``convert`` opens it once for both)."""
+    n, optimizer = target.world_size, target.optimizer
+    if isinstance(source, TorchRanksSource):
+        return reshard_ranks(source, dst, n, overwrite, progress, optimizer, target.shard_group, target.mesh_dim_names)
+    if target.shard_group is not None or target.mesh_dim_names is not None:
+        raise source.refuse("--shard-group or --mesh-dim-names", "they are for torch FSDP2 per-rank files")
+    if isinstance(source, ModelPartsSource):
+        return _reshard_parts(source, dst, n, overwrite, progress, jobs, optimizer, split)
+    if split.parts is not None or split.rules:
+        raise CheckpointError(f"{source.path}: --model-parallel/--mp-rule given, but it holds one model part")
+    if not isinstance(source, FairscaleSource):
+        raise source.refuse(
+            "reshard", "FSDP2 loads a DCP folder at any world size; convert --to fairscale --like CKPT shards one"
+        )
+    ckpt = source.ckpt
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
     # Rank 0's plan runs every check of the input, before any byte is written; the others are planned
     # as they are written.
-    trees = PlannedFiles(lambda r: resharded_file(ckpt, world_size, r, optimizer), world_size)
+    trees = PlannedFiles(lambda r: resharded_file(ckpt, n, r, optimizer), n)
     res = write_rank_files(
-        ckpt, trees, dst, f"reshard {ckpt.world_size}->{world_size}", overwrite, progress, source_info(ckpt), jobs
+        ckpt, trees, dst, f"reshard {ckpt.world_size}->{n}", overwrite, progress, source.describe(), jobs
     )
-    return _noted(res, world_size)
+    return _noted(res, n)
 
 
 def _reshard_parts(
-    files: PartFiles,
+    source: ModelPartsSource,
     dst: str,
     world_size: int,
     overwrite: bool,
-    trust_pickles: bool,
     progress: bool,
     jobs: int,
     optimizer: bool,
@@ -262,7 +285,7 @@ def _reshard_parts(
     """Every model-parallel part's FSDP shards resharded to ``world_size``, the parts and names kept: each part
     as FSDP at ``world_size`` over that part's data-parallel group saves it. With ``split.parts`` another
     number of parts: the parts joined and cut again by ``split.rules``."""
-    ckpts = open_model_parts(files, trust_pickles)
+    files, ckpts = source.files, source.ckpts
     run_checked(lambda: check_output(dst, overwrite, files.paths, is_dir=True))
     if split.parts is not None and split.parts != len(ckpts):
         return _repartition(files, ckpts, dst, world_size, overwrite, progress, jobs, optimizer, split)
@@ -271,9 +294,8 @@ def _reshard_parts(
     n = world_size
     trees = PlannedFiles(lambda i: resharded_file(ckpts[i // n], n, i % n, optimizer), len(ckpts) * n)
     names = [ckpts[i // n].files.name_for(i % n) for i in range(len(ckpts) * n)]
-    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": len(ckpts)}
     desc = f"reshard {len(ckpts)} parts x {ckpts[0].world_size}->{n}"
-    res = write_rank_files(ckpts[0], trees, dst, desc, overwrite, progress, source, jobs, names)
+    res = write_rank_files(ckpts[0], trees, dst, desc, overwrite, progress, source.describe(), jobs, names)
     return _noted(res, world_size)
 
 
@@ -337,7 +359,7 @@ def _shard_inputs(
     full: str, like: str, optimizer: Optional[str], trust_pickles: bool, torch_free: bool
 ) -> Tuple[ShardedCheckpoint, Mapping[str, TensorRef], Any]:
     """The template, the full state and the full optimizer state, all read without torch or all with it."""
-    template = open_checkpoint(like, trust_pickles, torch_free=torch_free)
+    template = open_template(like, trust_pickles, torch_free).ckpt
     if optimizer is not None and template.container.optimizer is None:
         raise CheckpointError(f"{like}: its container has no place for optimizer state")
     free = torch_free and _all_stored(template.objs)
@@ -397,7 +419,7 @@ def shard(
 
 
 def reshard_ranks(
-    ranks: TorchRanks,
+    source: TorchRanksSource,
     dst: str,
     world: int,
     overwrite: bool,
@@ -424,6 +446,7 @@ def reshard_ranks(
     ``fsdp_config.json`` gets the new world size; the folder's other
     entries (``huggingface/``) are copied.
     """
+    ranks = source.ranks
     ranks.require_params()
     group = shard_group(ranks, world, group)
     mesh = TargetMesh(ranks, world, group, dim_names)
@@ -487,7 +510,7 @@ def reshard_ranks(
                 shutil.copyfile(files.extra[r % len(files.extra)], os.path.join(tmp, name))
                 names.append(name)
         names += _carry(carried, config, tmp, world)
-        manifest = build_manifest(tmp, names, ranks_source_info(ranks), "reshard", None, digests)
+        manifest = build_manifest(tmp, names, source.describe(), "reshard", None, digests)
         write_json(os.path.join(tmp, MANIFEST), manifest)
     return ReshardResult(dst, names, per_rank * world)
 

@@ -10,7 +10,6 @@ Afterwards no FSDP module has ``_is_root`` set or lazy state initialised.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -24,10 +23,12 @@ from ..plan.consolidate import consolidated_weights
 from ..plan.optimizer import consolidated_optimizer, resharded_optimizer
 from ..plan.reshard import resharded_state
 from ..plan.shard import sharded_optimizer_from_full
-from ..read.full_state import full_state_refs
 from ..read.safe_load import load_lazy
-from ..read.source import ShardedCheckpoint, open_checkpoint
+from ..read.source import ShardedCheckpoint
 from ..read.tensor_data import materialize, read_tensor
+from ..sources.fairscale import FairscaleSource
+from ..sources.full_state import FullStateSource
+from ..sources.probe import open_source
 from .state import init_param_attributes
 from .wrapping import reset_lazy_init_recursive
 
@@ -211,17 +212,10 @@ def load_checkpoint(
         CheckpointError: a key the model has and the checkpoint lacks, or the other way round (outside
             ``only``), a shape that differs, or a bad checkpoint.
     """
-    sharded = not (os.path.isfile(src) and src.endswith(".safetensors")) and not (
-        os.path.isdir(src) and os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
-    )
-    ckpt = None
-    if sharded:
-        try:
-            ckpt = open_checkpoint(src, trust_pickles)
-        except CheckpointError:
-            if not os.path.isfile(src):
-                raise
-            ckpt = None  # a single full state dict file
+    source = open_source(src, trust_pickles=trust_pickles, full=True, torch_free=False)
+    if not isinstance(source, (FairscaleSource, FullStateSource)):
+        raise source.refuse("load_checkpoint", "it loads fairscale checkpoints and full state dicts")
+    ckpt = source.ckpt if isinstance(source, FairscaleSource) else None
     report: LoadReport
     if ckpt is not None and not only and _matches_locally(model, ckpt):
         rank, ws = dist.get_rank(), dist.get_world_size()
@@ -241,7 +235,7 @@ def load_checkpoint(
         if ckpt is not None:
             full = materialize(consolidated_weights(ckpt))
         else:
-            full = {k: read_tensor(v) for k, v in full_state_refs(src, trust_pickles).items()}
+            full = {k: read_tensor(v) for k, v in source.refs.items()}
         report = load_full_state(model, full, only) if weights else LoadReport(path="full")
         report.source_world_size = ckpt.world_size if ckpt is not None else None
         if optimizer is not None:

@@ -165,12 +165,16 @@ def _spawn(world: int, job: Dict[str, Any], device: str) -> None:
         raise
 
 
-def checkpoint_world_size(path: str) -> int:
-    from ..read.source import open_checkpoint
-    from ..read.torch_ranks import open_torch_ranks
+def checkpoint_world_size(path: str, trust_pickles: bool = False) -> int:
+    """The world size that saved a checkpoint verify-resume starts from (fairscale shards or torch FSDP files)."""
+    from ..sources.fairscale import FairscaleSource
+    from ..sources.probe import open_source
+    from ..sources.torch_ranks import TorchRanksSource
 
-    ranks = open_torch_ranks(path)
-    return ranks.world_size if ranks is not None else open_checkpoint(path).world_size
+    source = open_source(path, trust_pickles=trust_pickles)
+    if not isinstance(source, (FairscaleSource, TorchRanksSource)) or source.world_size is None:
+        raise source.refuse("verify-resume --from", "training resumes from fairscale shards or torch FSDP files")
+    return source.world_size
 
 
 def _no_fsdp2() -> Optional[str]:
@@ -212,7 +216,7 @@ def run_scenarios(
     recipes = _Recipes(recipe if recipe is not None else f"{BUILTIN}:RECIPE")
     source_ws = None
     if from_checkpoint is not None:
-        source_ws = checkpoint_world_size(from_checkpoint)
+        source_ws = checkpoint_world_size(from_checkpoint, trust_pickles)
     if scenarios is None:
         scenarios = DEFAULT_SCENARIOS if recipe is None and source_ws is None else recipe_scenarios(source_ws or 2)
     for sc in scenarios:

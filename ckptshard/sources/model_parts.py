@@ -1,5 +1,6 @@
-"""Several model-parallel parts as one model: join what tensor parallelism split (by rules), check what it
-replicated (by reading it), and describe the parts for inspect."""
+"""metaseq's model-parallel parts (K parts x M FSDP shards) as one source: join what tensor parallelism split
+(by rules), check what it replicated (by reading it), cut it again for another number of parts, and describe
+the parts for inspect."""
 
 from __future__ import annotations
 
@@ -15,8 +16,28 @@ from ..read.model_parts import PartFiles
 from ..read.source import ShardedCheckpoint
 from ..read.tensor_data import fill_digest, read_fill
 from ..tensors import Fill
+from .base import Source
+from .fairscale import source_info
 
 DEFAULT_TOLERANCE = 1e-5  # relative, as torch.allclose's rtol: real GPU runs drift a little between parts
+
+
+class ModelPartsSource(Source):
+    """``files``: every part's shard files; ``ckpts``: each part opened as a fairscale checkpoint, checked to
+    share the FSDP world size and the step (``read.model_parts``)."""
+
+    kind = "model-parts"
+    family = "metaseq model-parallel parts"
+
+    def __init__(self, path: str, files: PartFiles, ckpts: List[ShardedCheckpoint]) -> None:
+        super().__init__(path, ckpts[0].world_size, tuple(files.paths))
+        self.files, self.ckpts = files, ckpts
+
+    def describe(self) -> Dict[str, Any]:
+        return {**source_info(self.ckpts[0]), "files": list(self.files.paths), "model_parallel_parts": len(self.ckpts)}
+
+    def full_weights(self) -> Dict[str, Any]:
+        raise self.refuse("one full state dict without rules", "give --mp-rules metaseq or --mp-rule REGEX=DIM")
 
 
 def part_output(out: str, part: int) -> str:
