@@ -134,7 +134,8 @@ def convert(
     if to == "dcp":
         return _to_dcp(source, out, optimizer, overwrite, progress, shape, jobs)
     if to == "fairscale":
-        return _to_fairscale(source, out, like, world_size or 1, optimizer, overwrite, progress, shape, jobs)
+        how = (optimizer, overwrite, trust_pickles, progress, shape, jobs)
+        return _to_fairscale(source, out, like, world_size or 1, *how)
     fmt = _check_format(out, to, max_shard_size)
     check_parallel(fmt, jobs)
     if isinstance(source, DcpSource):
@@ -172,12 +173,14 @@ def _to_fairscale(
     world_size: int,
     optimizer: bool,
     overwrite: bool,
+    trust_pickles: bool,
     progress: bool,
     shape: Shape,
     jobs: int,
 ) -> ConvertResult:
     if isinstance(source, DcpSource):
-        return _dcp_to_fairscale(source, out, like, world_size, optimizer, overwrite, progress, *shape, jobs)
+        how = (optimizer, overwrite, trust_pickles, progress, *shape, jobs)
+        return _dcp_to_fairscale(source, out, like, world_size, *how)
     if not isinstance(source, FairscaleSource):
         raise source.refuse(
             "--to fairscale", "`reshard` moves them to another world size, `consolidate` writes one state dict"
@@ -359,6 +362,7 @@ def _dcp_to_fairscale(
     world_size: int,
     optimizer: bool,
     overwrite: bool,
+    trust_pickles: bool,
     progress: bool,
     select: Sequence[str],
     strip_prefix: Sequence[str],
@@ -371,7 +375,7 @@ def _dcp_to_fairscale(
     if dtype is not None:
         raise CheckpointError("--dtype does not apply to --to fairscale: shards keep the wrapping's dtypes")
     d, inputs = source.dcp, source.inputs
-    template = open_template(like, trust_pickles=False, torch_free=d.torch_free)  # one kind of dtype
+    template = open_template(like, trust_pickles, torch_free=d.torch_free).ckpt  # one kind of dtype
     full = transform(model_state(d.tree, d.folder), select, strip_prefix, renames)
     check_full_against_plan(template, full)
     full_optim = None
