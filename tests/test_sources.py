@@ -160,3 +160,29 @@ def test_only_the_sources_layer_probes_families():
                 if name in PROBES:
                     calls.append(f"{rel}:{node.lineno} {name}")
     assert calls == []
+
+
+NO_FAIRSCALE = """
+import sys
+sys.modules["fairscale"] = None  # any import of it fails, as where the optional extra is not installed
+import ckptshard
+src, fsdp2, out = sys.argv[1:]
+for i, s in enumerate((src, fsdp2)):
+    ckptshard.inspect_checkpoint(s)
+    ckptshard.consolidate(s, f"{out}/{i}.safetensors", progress=False)
+    ckptshard.reshard(s, f"{out}/{i}-re", 3, progress=False)
+    ckptshard.convert(s, f"{out}/{i}.dcp", to="dcp", progress=False)
+    assert ckptshard.verify(f"{out}/{i}-re") == []
+print("ok")
+"""
+
+
+def test_the_converters_need_no_fairscale(checkpoints, tmp_path):
+    """fairscale is an optional extra: reading and writing its checkpoints (and every other family's) imports
+    none of it; only live fairscale models (load_checkpoint, the wrapping flow, verify-resume) need it."""
+    import subprocess
+    import sys
+
+    args = [str(checkpoints["fairscale"][0]), str(checkpoints["fsdp2"][0]), str(tmp_path)]
+    res = subprocess.run([sys.executable, "-c", NO_FAIRSCALE, *args], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

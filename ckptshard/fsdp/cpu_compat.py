@@ -189,10 +189,13 @@ def install_cpu_compat(force: bool = False) -> bool:
     if not (force or needs_cpu_compat()):
         return False
     try:
+        from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
+    except ImportError:  # fairscale is an optional extra: torch FSDP runs need no layer
+        return False
+    try:
         from fairscale.internal import reduce_scatter_bucketer
     except ImportError:  # fairscale before 0.4
         from fairscale.utils import reduce_scatter_bucketer  # type: ignore[no-redef]
-    from fairscale.nn.data_parallel import fully_sharded_data_parallel as fsdp_mod
 
     fake = _FakeCuda()
     fsdp_mod.torch = _TorchProxy(fake)  # type: ignore[attr-defined]

@@ -43,8 +43,10 @@ class LoadReport:
 
 
 def _is_fsdp(m: nn.Module) -> bool:
-    from fairscale.nn import FullyShardedDataParallel as FSDP
-
+    try:
+        from fairscale.nn import FullyShardedDataParallel as FSDP
+    except ImportError:  # an optional extra: without it no module is fairscale's
+        return False
     return isinstance(m, FSDP)
 
 
