@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # The oldest and the newest torch tested; each gets its own venv (CUDA builds from the registry, GBs).
 TORCH_RANGE ?= 2.0.1 2.6.0 2.15.0
 
-.PHONY: setup demo lint test test-range bench clean
+.PHONY: setup demo lint test test-fast test-range bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,10 @@ lint: setup
 
 test: setup lint
 	$(BIN)/python -m pytest -q
+
+# The edit-run cycle: everything but the tests marked slow (real multi-process FSDP runs each session).
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # tests/test_torch_range.py on each torch of TORCH_RANGE, in .venv-torch<version>.
 # RANGE_KEEP=0 removes each venv after its tests, so that one CUDA build at a time is on disk (CI).

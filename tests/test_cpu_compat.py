@@ -2,11 +2,14 @@
 
 import sys
 
+import pytest
 import torch
 import torch.nn as nn
 
 from ckptshard.fsdp.cpu_compat import cpu_fsdp_kwargs, is_installed
 from ckptshard.fsdp.launch import run_world
+
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
 
 STEPS = 5
 

@@ -15,6 +15,8 @@ from ckptshard.execute.convert import convert
 from ckptshard.read.dcp import read_metadata
 from ckptshard.read.source import open_checkpoint
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 
 def _names_by_gid(src):
     """fairscale's full optimizer format numbers parameters in flat order: gid -> logical name."""

@@ -20,6 +20,8 @@ from ckptshard.errors import CheckpointError
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard, shard
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 FAIRSEQ = "checkpoint_last-shard{}.pt"
 
 

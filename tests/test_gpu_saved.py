@@ -24,6 +24,8 @@ from ckptshard.execute.reshard import reshard
 from ckptshard.testing.fixtures import source_path
 from ckptshard.testing.oracle import build_oracles
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 DATA = pathlib.Path(__file__).parent / "data" / "gpu-saved"
 RUNS = {  # folder: (variant, world size it was saved at, world size to reshard to)
     "nccl-ws1-mixed": ("mixed", 1, 2),

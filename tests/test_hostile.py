@@ -1,6 +1,6 @@
 """Hostile and unlucky inputs: no silent wrong output, no user file lost, no traceback, no orphan.
 
-Each test names the case of issue 24 it covers (#1-#18); docs/errors.md says what the user sees.
+Each test is named by the behaviour it checks; docs/errors.md says what the user sees.
 """
 
 import argparse
@@ -72,7 +72,7 @@ def _other_step_shard(fixtures, tmp_path, rank):
     return other / SHARD.format(rank)
 
 
-def test_1_source_overwritten_during_consolidate_fails_and_writes_nothing(fixtures, tmp_path, monkeypatch):
+def test_source_overwritten_during_consolidate_fails_and_writes_nothing(fixtures, tmp_path, monkeypatch):
     import ckptshard.write.copier as fill
 
     src = copy_fixture(fixtures, tmp_path)
@@ -93,7 +93,7 @@ def test_1_source_overwritten_during_consolidate_fails_and_writes_nothing(fixtur
     assert calls and names_in(out) == []
 
 
-def test_1_source_replaced_during_reshard_in_worker_processes_fails(fixtures, tmp_path, monkeypatch):
+def test_source_replaced_during_reshard_in_worker_processes_fails(fixtures, tmp_path, monkeypatch):
     import ckptshard.execute.reshard as reshard_mod
 
     src = copy_fixture(fixtures, tmp_path)
@@ -115,7 +115,7 @@ def test_1_source_replaced_during_reshard_in_worker_processes_fails(fixtures, tm
 # 2, 3 ----------------------------------------------------------------------------------------------------
 
 
-def test_2_overwrite_never_deletes_a_folder_of_user_files(fixtures, tmp_path):
+def test_overwrite_never_deletes_a_folder_of_user_files(fixtures, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text("print('mine')\n")
@@ -137,7 +137,7 @@ def test_2_overwrite_never_deletes_a_folder_of_user_files(fixtures, tmp_path):
     assert names_in(out) == sorted(["ckptshard-manifest.json"] + [SHARD.format(r) for r in range(4)])
 
 
-def test_3_an_input_named_like_an_output_manifest_is_never_overwritten(fixtures, tmp_path):
+def test_an_input_named_like_an_output_manifest_is_never_overwritten(fixtures, tmp_path):
     src = tmp_path / "model.pt.manifest.json"  # a world-size-1 checkpoint, oddly named
     shutil.copyfile(fixtures[1] / "fairseq" / SHARD.format(0), src)
     before = src.read_bytes()
@@ -170,7 +170,7 @@ def _lie_about_padding(obj, rank):
     info["padding"] = 1 if rank == 2 else 0
 
 
-def test_4_padding_that_holds_values_is_refused(fixtures, tmp_path):
+def test_padding_that_holds_values_is_refused(fixtures, tmp_path):
     src = copy_fixture(fixtures, tmp_path)
     for r in range(3):
         edit(src / SHARD.format(r), lambda o, r=r: _lie_about_padding(o, r))
@@ -183,7 +183,7 @@ def test_4_padding_that_holds_values_is_refused(fixtures, tmp_path):
     assert names_in(tmp_path) == ["src"]
 
 
-def test_4_a_parameter_listed_twice_is_refused(fixtures, tmp_path):
+def test_a_parameter_listed_twice_is_refused(fixtures, tmp_path):
     def twice(o):
         info = _trunk(o)
         info["names"][2] = info["names"][1]  # stem_bn.bias -> stem_bn.weight: same shape, one tensor lost
@@ -206,7 +206,7 @@ def _with_duplicate_record(path):
             zf.writestr(i, b)
 
 
-def test_4_a_zip_with_two_records_of_one_name_is_refused_by_both_readers(fixtures, tmp_path, monkeypatch):
+def test_a_zip_with_two_records_of_one_name_is_refused_by_both_readers(fixtures, tmp_path, monkeypatch):
     src = copy_fixture(fixtures, tmp_path)
     _with_duplicate_record(src / SHARD.format(1))
     for _ in both_readers(monkeypatch):
@@ -237,7 +237,7 @@ def test_4_a_zip_with_two_records_of_one_name_is_refused_by_both_readers(fixture
         ),
     ],
 )
-def test_4_replicated_values_that_differ_between_ranks_are_refused(fixtures, tmp_path, lie, needle):
+def test_replicated_values_that_differ_between_ranks_are_refused(fixtures, tmp_path, lie, needle):
     src = copy_fixture(fixtures, tmp_path)
     edit(src / SHARD.format(1), lie)
     for run in (
@@ -253,7 +253,7 @@ def test_4_replicated_values_that_differ_between_ranks_are_refused(fixtures, tmp
 # 5 -------------------------------------------------------------------------------------------------------
 
 
-def test_5_verify_fails_a_manifest_that_leaves_files_out(fixtures, tmp_path):
+def test_verify_fails_a_manifest_that_leaves_files_out(fixtures, tmp_path):
     out = tmp_path / "re"
     reshard(str(fixtures[2] / "fairseq"), str(out), 3, progress=False)
     manifest = out / "ckptshard-manifest.json"
@@ -293,7 +293,7 @@ main(sys.argv[1:])
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
-def test_6_disk_full_mid_write_is_one_line_and_leaves_nothing(fixtures, tmp_path, jobs):
+def test_disk_full_mid_write_is_one_line_and_leaves_nothing(fixtures, tmp_path, jobs):
     out = tmp_path / "out"
     out.mkdir()
     args = ["reshard", str(fixtures[3] / "fairseq"), "-n", "5", "-o", str(out / "re"), "-q", "--jobs", jobs]
@@ -305,7 +305,7 @@ def test_6_disk_full_mid_write_is_one_line_and_leaves_nothing(fixtures, tmp_path
     assert names_in(out) == []
 
 
-def test_6_the_space_check_counts_what_the_files_really_take(fixtures, tmp_path, monkeypatch):
+def test_the_space_check_counts_what_the_files_really_take(fixtures, tmp_path, monkeypatch):
     import ckptshard.execute.reshard as reshard_mod
 
     asked = []
@@ -319,7 +319,7 @@ def test_6_the_space_check_counts_what_the_files_really_take(fixtures, tmp_path,
 # 7 -------------------------------------------------------------------------------------------------------
 
 
-def test_7_concurrent_safe_loads_keep_the_extra_allow_list(tmp_path):
+def test_concurrent_safe_loads_keep_the_extra_allow_list(tmp_path):
     from ckptshard.read.safe_load import load_lazy
 
     path = tmp_path / "with_args.pt"
@@ -344,7 +344,7 @@ def test_7_concurrent_safe_loads_keep_the_extra_allow_list(tmp_path):
 # 8, 9 ---------------------------------------------------------------------------------------------------
 
 
-def test_8_a_compressed_record_is_refused_before_it_is_inflated(fixtures, tmp_path, monkeypatch):
+def test_a_compressed_record_is_refused_before_it_is_inflated(fixtures, tmp_path, monkeypatch):
     src = copy_fixture(fixtures, tmp_path)
     victim = src / SHARD.format(0)
     with zipfile.ZipFile(victim) as zf:
@@ -362,7 +362,7 @@ def test_8_a_compressed_record_is_refused_before_it_is_inflated(fixtures, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "folder"])
-def test_9_an_input_that_is_not_a_regular_file_is_refused_at_once(fixtures, tmp_path, kind):
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(fixtures, tmp_path, kind):
     src = copy_fixture(fixtures, tmp_path)
     victim = src / SHARD.format(1)
     victim.unlink()
@@ -383,7 +383,7 @@ def test_9_an_input_that_is_not_a_regular_file_is_refused_at_once(fixtures, tmp_
 # 10, 11 --------------------------------------------------------------------------------------------------
 
 
-def test_10_rank_and_world_size_exported_by_a_job_script_do_not_make_a_torchrun_run(fixtures, tmp_path):
+def test_rank_and_world_size_exported_by_a_job_script_do_not_make_a_torchrun_run(fixtures, tmp_path):
     env = {"RANK": "1", "WORLD_SIZE": "2"}  # as a SLURM script exports them, without torchrun
     res = cli("consolidate", fixtures[2] / "fairseq", "-o", tmp_path / "o.pt", "-q", env=env, timeout=60)
     assert res.returncode == 0 and "wrote" in res.stdout, res.stderr
@@ -391,7 +391,7 @@ def test_10_rank_and_world_size_exported_by_a_job_script_do_not_make_a_torchrun_
     assert res.returncode == 0 and "wrote 3 files" in res.stdout, res.stderr
 
 
-def test_10_a_torchrun_rank_whose_peers_never_come_times_out_in_one_line(fixtures, tmp_path):
+def test_a_torchrun_rank_whose_peers_never_come_times_out_in_one_line(fixtures, tmp_path):
     import socket
 
     with socket.socket() as s:
@@ -443,7 +443,7 @@ def _alive(pid):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_11_workers_die_with_their_parent_and_release_the_callers_stdout(tmp_path):
+def test_workers_die_with_their_parent_and_release_the_callers_stdout(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", STUCK_WORKERS], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         parent = int(p.stdout.readline())
@@ -485,7 +485,7 @@ def test_11_workers_die_with_their_parent_and_release_the_callers_stdout(tmp_pat
         "manifest-bytes-a-string",
     ],
 )
-def test_12_malformed_safetensors_index_and_manifest_are_one_line_errors(fixtures, tmp_path, case):
+def test_malformed_safetensors_index_and_manifest_are_one_line_errors(fixtures, tmp_path, case):
     full = tmp_path / "full.safetensors"
     consolidate(str(fixtures[2] / "fairseq"), str(full), progress=False)
     idx = tmp_path / "idx"
@@ -549,7 +549,7 @@ def test_12_malformed_safetensors_index_and_manifest_are_one_line_errors(fixture
 # 13 ------------------------------------------------------------------------------------------------------
 
 
-def test_13_nesting_hundreds_of_levels_deep_is_one_line_error(fixtures, tmp_path, monkeypatch):
+def test_nesting_hundreds_of_levels_deep_is_one_line_error(fixtures, tmp_path, monkeypatch):
     src = copy_fixture(fixtures, tmp_path)
 
     def deep(o):
@@ -574,7 +574,7 @@ def test_13_nesting_hundreds_of_levels_deep_is_one_line_error(fixtures, tmp_path
     assert names_in(tmp_path) == ["src"]
 
 
-def test_13_a_pickle_that_shares_one_list_exponentially_is_refused(tmp_path):
+def test_a_pickle_that_shares_one_list_exponentially_is_refused(tmp_path):
     import pickle
 
     from ckptshard.formats.torch_pickle import check_depth
@@ -591,7 +591,7 @@ def test_13_a_pickle_that_shares_one_list_exponentially_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("is_dir", [True, False])
-def test_14_overwrite_whose_final_rename_fails_keeps_the_old_output_whole(fixtures, tmp_path, monkeypatch, is_dir):
+def test_overwrite_whose_final_rename_fails_keeps_the_old_output_whole(fixtures, tmp_path, monkeypatch, is_dir):
     import ckptshard.osio.atomic as atomic
 
     out = tmp_path / ("re" if is_dir else "f.safetensors")
@@ -617,7 +617,7 @@ def test_14_overwrite_whose_final_rename_fails_keeps_the_old_output_whole(fixtur
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_15_long_output_names_work_or_fail_in_one_line(fixtures, tmp_path):
+def test_long_output_names_work_or_fail_in_one_line(fixtures, tmp_path):
     long_ok = tmp_path / ("a" * 230 + ".pt")  # its manifest's name is 247 bytes: fits 255
     res = cli("consolidate", fixtures[2] / "fairseq", "-o", long_ok, "-q")
     assert res.returncode == 0, res.stderr
@@ -630,7 +630,7 @@ def test_15_long_output_names_work_or_fail_in_one_line(fixtures, tmp_path):
 # 16, 17, 18 ----------------------------------------------------------------------------------------------
 
 
-def test_16_legacy_shards_holding_other_objects_read_with_trust_pickles(fixtures, tmp_path):
+def test_legacy_shards_holding_other_objects_read_with_trust_pickles(fixtures, tmp_path):
     import fractions
 
     src = tmp_path / "legacy"
@@ -662,7 +662,7 @@ main(["consolidate", sys.argv[1], "-o", sys.argv[2], "-q"])
 """
 
 
-def test_17_a_temporary_left_by_kill_9_is_removed_by_the_next_run_which_says_so(fixtures, tmp_path):
+def test_a_temporary_left_by_kill_9_is_removed_by_the_next_run_which_says_so(fixtures, tmp_path):
     out, reached = tmp_path / "o.safetensors", tmp_path / "copying"
     p = subprocess.Popen(
         [sys.executable, "-c", KILLED_MID_WRITE, str(fixtures[2] / "fairseq"), str(out), str(reached)],
@@ -689,7 +689,7 @@ def test_17_a_temporary_left_by_kill_9_is_removed_by_the_next_run_which_says_so(
     assert sorted(q.name for q in tmp_path.iterdir()) == ["copying", "o.safetensors", "o.safetensors.manifest.json"]
 
 
-def test_17_a_temporary_locked_by_a_live_run_is_left_alone(fixtures, tmp_path):
+def test_a_temporary_locked_by_a_live_run_is_left_alone(fixtures, tmp_path):
     from ckptshard.osio.atomic import TMP_SUFFIX, new_beside
 
     tmp = new_beside(str(tmp_path), "o.pt", TMP_SUFFIX, is_dir=False)
@@ -703,7 +703,7 @@ def test_17_a_temporary_locked_by_a_live_run_is_left_alone(fixtures, tmp_path):
         os.close(fd)
 
 
-def test_18_reshard_plans_each_rank_when_it_writes_it(fixtures, tmp_path, monkeypatch):
+def test_reshard_plans_each_rank_when_it_writes_it(fixtures, tmp_path, monkeypatch):
     import ckptshard.execute.reshard as reshard_mod
 
     planned = []

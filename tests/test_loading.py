@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from ckptshard.fsdp.launch import run_world
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 RESULTS = {}
 
 

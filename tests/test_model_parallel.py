@@ -15,6 +15,8 @@ from ckptshard.plan.model_parallel import PRESETS, MpRule, joined, parse_rule
 from ckptshard.testing.model_parallel import build_mp_run, fsdp_at, logits_at_mp1
 from ckptshard.testing.synthetic import write_synthetic_parts
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 PARTS = "checkpoint_last-model_part-{}-shard{}.pt"
 
 

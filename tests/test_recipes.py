@@ -11,6 +11,8 @@ import pytest
 import ckptshard
 from ckptshard.harness.verify_resume import recipe_scenarios, reshard_scenario
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 RECIPES = os.path.join(os.path.dirname(__file__), "recipes")
 GROUPS = os.path.join(RECIPES, "groups_fairscale.py") + ":RECIPE"
 TIED = os.path.join(RECIPES, "tied_fsdp2.py") + ":RECIPE"

@@ -14,6 +14,8 @@ from fairscale.nn import FullyShardedDataParallel as FSDP
 from ckptshard.execute.consolidate import consolidate
 from ckptshard.execute.reshard import reshard
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 PAIRS = [(m, n) for m in SOURCE_WORLD_SIZES for n in TARGET_WORLD_SIZES]
 
 

@@ -106,6 +106,7 @@ def test_reshard_writes_what_fsdp2_at_n_saves(runs, resharded, torch_files, pair
     assert ckptshard.verify(str(ours)) == []
 
 
+@pytest.mark.slow
 def test_resume_from_reshard_matches_resume_from_torchs_files(resharded, torch_files, tmp_path):
     torch_fsdp_runs.step_from(str(resharded[(3, 2)]), str(tmp_path / "ours.pt"), 2)
     torch_fsdp_runs.step_from(str(torch_files[(3, 2)]), str(tmp_path / "theirs.pt"), 2)
@@ -128,6 +129,7 @@ def hsdp_run(cache_root):
     return _once(cache_root / f"fsdp2-hsdp-2x2-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 4, replicas=2))
 
 
+@pytest.mark.slow
 def test_hsdp_files_consolidate_and_convert_to_the_full_state(hsdp_run, tmp_path):
     """Replica 0's shards are the checkpoint: consolidated they are torch's full model and optimizer state;
     the DCP loads into FSDP2 at 2 (one dimension) with both."""
@@ -168,6 +170,7 @@ def _same_files(got, want, world):
         (3, 3, 1, ("fsdp",)),  # one shard group: plain FSDP2, its mesh named as verl names it
     ],
 )
+@pytest.mark.slow
 def test_hsdp_files_reshard_to_what_fsdp2_saves_on_that_mesh(
     hsdp_run, tmp_path, monkeypatch, world, group, replicas, names
 ):
@@ -188,6 +191,7 @@ def test_hsdp_files_reshard_to_what_fsdp2_saves_on_that_mesh(
     assert config["world_size"] == world
 
 
+@pytest.mark.slow
 def test_fsdp2_files_reshard_to_hsdp_and_back(runs, hsdp_run, tmp_path):
     """FSDP2 at 3 to HSDP 2 x 2 (--shard-group 2, the mesh named as the training code names it) equals FSDP2's
     own HSDP files; and back to one dimension, named as a 1-D verl mesh, equals FSDP2's at 3 on that mesh.
@@ -266,6 +270,7 @@ def test_bad_input_is_one_line_and_writes_nothing(runs, tmp_path, damage, messag
 
 
 @pytest.mark.parametrize("m, n", [(3, 2), (1, 4)])
+@pytest.mark.slow
 def test_convert_to_dcp_loads_into_fsdp2_at_any_world_size(runs, m, n, tmp_path):
     ckptshard.convert(str(runs[m]), str(tmp_path / "dcp"), "dcp", progress=False)
     torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), n)
@@ -332,6 +337,7 @@ def test_fsdp1_raw_optimizer_files_consolidate_to_torchs_full_optimizer_state(ca
     assert s["optimizer"]["fsdp1_units"] == f"root + blocks.* (3 units), aligned to {8 if bf16 else 4} elements"
 
 
+@pytest.mark.slow
 def test_fsdp1_optimizer_converts_to_a_dcp_fsdp2_loads_at_another_world_size(fsdp1_runs, tmp_path):
     ckptshard.convert(str(fsdp1_runs[3]), str(tmp_path / "dcp"), "dcp", progress=False)
     torch_fsdp_runs.load_dcp(str(tmp_path / "dcp"), str(tmp_path / "full.pt"), 2)
@@ -395,6 +401,7 @@ def test_fsdp1_local_state_dict_consolidates_with_like(cache_root, flat_params_r
     _assert_equal(_load(tmp_path / "full.optim.pt"), _load(src / "ref" / "full_optim.pt"), "optim")
 
 
+@pytest.mark.slow
 def test_fsdp1_local_state_dict_converts_with_like_to_a_dcp(flat_params_run, tmp_path):
     """Without use_orig_params, model and optimizer: FSDP2 at 2 loads the DCP to the full state."""
     like = flat_params_run / "ref" / "full_model.pt"
@@ -446,6 +453,7 @@ def _same_fsdp1_files(a, b, n):
 
 
 @pytest.mark.parametrize("m, bf16, n", [(3, False, 2), (2, False, 3), (3, True, 4)], ids=str)
+@pytest.mark.slow
 def test_fsdp1_reshard_is_what_fsdp1_at_n_saves(cache_root, m, bf16, n, tmp_path):
     """The units and the alignment are told from the source's slices (each block and the root; 4 elements,
     8 under bf16 compute); FSDP1 at N, loaded with the full state, is the oracle."""
@@ -520,6 +528,7 @@ def no_shard_run(cache_root):
     return _fsdp1_run(cache_root, 1, False)
 
 
+@pytest.mark.slow
 def test_fsdp1_at_world_size_1_consolidates_to_its_full_state(no_shard_run, tmp_path):
     ckptshard.consolidate(str(no_shard_run), str(tmp_path / "full.pt"), optimizer=True, progress=False)
     _assert_equal(_load(tmp_path / "full.pt"), _load(no_shard_run / "ref" / "full_model.pt"), "model")
@@ -557,6 +566,7 @@ def test_fsdp1_at_world_size_1_with_a_buffer_shaped_like_a_parameter(no_shard_ru
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src", "w.pt", "w.pt.manifest.json"]
 
 
+@pytest.mark.slow
 def test_reshard_to_world_size_1_is_what_fsdp1_at_1_saves(cache_root, tmp_path):
     src = _fsdp1_run(cache_root, 3, False)
     ckptshard.reshard(str(src), str(tmp_path / "ours"), 1, progress=False)
@@ -593,6 +603,7 @@ def test_reshard_from_world_size_1(no_shard_run, tmp_path):
         (2, False, True, 1),
     ],
 )
+@pytest.mark.slow
 def test_fsdp1_local_state_dict_reshards_to_what_fsdp1_at_n_saves(
     cache_root, flat_params_run, m, bf16, orig, n, tmp_path
 ):
@@ -667,6 +678,7 @@ def test_fsdp1_and_fsdp2_files_mixed_are_refused(fsdp1_runs, runs, tmp_path):
         ckptshard.consolidate(str(mixed), str(tmp_path / "m.pt"), progress=False)
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_run_stores_fp32_and_reshards_like_torch(cache_root, torch_files, runs, tmp_path):
     """verl trains FSDP2 with bf16 compute over fp32 shards: the files hold fp32, read and re-cut the same way."""
     src = _once(cache_root / f"fsdp2-bf16-ws3-{CODE}", lambda d: torch_fsdp_runs.build_fsdp2_run(d, 3, bf16=True))

@@ -20,6 +20,8 @@ import torch
 import ckptshard
 from ckptshard.fsdp.launch import run_world
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 GOLDEN = pathlib.Path(__file__).parent / "data" / "golden"
 
 

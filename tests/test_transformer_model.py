@@ -22,6 +22,8 @@ from ckptshard.execute.convert import convert
 from ckptshard.execute.reshard import reshard, shard
 from ckptshard.testing import transformer
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 SOURCE_WS = 3
 TARGETS = (2, 5)
 VARIANTS = ("flat", "unflat", "groups", "ckptwrap")

@@ -8,6 +8,8 @@ import pytest
 
 from ckptshard.harness.verify_resume import DEFAULT_SCENARIOS, TOLERANCE, run_scenarios
 
+pytestmark = pytest.mark.slow  # real multi-process FSDP runs each session (make test-fast skips them)
+
 
 @pytest.fixture(scope="session")
 def results(tmp_path_factory):
