@@ -370,3 +370,28 @@ def test_a_signal_while_worker_processes_write_is_quiet_and_ends_them(fixtures, 
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{w}") for w in workers)
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".out")]
+
+
+def test_hsdp_outputs_say_the_other_replicas_weights_were_not_compared(hsdp_run, tmp_path):
+    res = ckptshard.consolidate(hsdp_run, tmp_path / "full.pt", progress=False)
+    assert res.notes == [
+        "HSDP: the weights are replica 0's; the other 1 replica(s)' weights were not compared "
+        "(their optimizer files were: steps and param groups agree)"
+    ]
+    assert ckptshard.reshard(hsdp_run, tmp_path / "re", 4, progress=False).notes == res.notes
+
+
+def test_model_parts_that_name_other_parameters_are_refused(tmp_path):
+    import torch
+
+    src = tmp_path / "src"
+    write_synthetic_parts(str(src), 2, 2, 2, 8)
+    for r in range(2):
+        path = src / f"checkpoint_last-model_part-1-shard{r}.pt"
+        obj = torch.load(path, weights_only=False)
+        fp = next(iter(obj["shard_metadata"]["param_metadata"][0]["params"].values()))
+        fp["names"] = ["renamed." + fp["names"][0], *fp["names"][1:]]
+        torch.save(obj, path)
+    for args in (("reshard", src, "-n", 3, "-o", tmp_path / "out"), ("consolidate", src, "-o", tmp_path / "o.pt")):
+        one_line_error(cli(*args), "model part 1 holds other parameters than part 0 (e.g. renamed.")
+    assert sorted(os.listdir(tmp_path)) == ["src"]

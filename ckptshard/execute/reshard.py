@@ -512,7 +512,7 @@ def reshard_ranks(
         names += _carry(carried, config, tmp, world)
         manifest = build_manifest(tmp, names, source.describe(), "reshard", None, digests)
         write_json(os.path.join(tmp, MANIFEST), manifest)
-    return ReshardResult(dst, names, per_rank * world)
+    return ReshardResult(dst, names, per_rank * world, source.notes())
 
 
 def _mesh_text(mesh: Tuple[int, int]) -> str:

@@ -85,6 +85,14 @@ def open_model_parts(files: PartFiles, trust_pickles: bool = False) -> List[Shar
             f"{files.folder}: model part {k} has FSDP world size {sizes[k]}, part 0 has {sizes[0]}: parts of one "
             "checkpoint are sharded alike"
         )
+    names = ckpts[0].layout.param_names()
+    for k, c in enumerate(ckpts[1:], 1):  # tensor parallelism splits a tensor's shape, never its name
+        other = c.layout.param_names()
+        if other != names:
+            odd = next((a for a, b in zip(other, names) if a != b), None) or sorted(set(other) ^ set(names))[0]
+            raise CheckpointError(
+                f"{files.folder}: model part {k} holds other parameters than part 0 (e.g. {odd}): not one checkpoint"
+            )
     steps = [_step(c) for c in ckpts]
     if any(s != steps[0] for s in steps):
         k = next(i for i, s in enumerate(steps) if s != steps[0])

@@ -5,7 +5,7 @@ full state dict); verl's layout or one file per rank."""
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from ..read.torch_ranks import TorchRanks
 from .base import Source
@@ -41,6 +41,16 @@ class TorchRanksSource(Source):
             "container": f"{self.kind}-verl" if self.ranks.files.verl else self.kind,
             "world_size": self.ranks.world_size,
         }
+
+    def notes(self) -> List[str]:
+        """What an output of these files should say: which HSDP replica's weights it holds."""
+        if self.ranks.hsdp is None:
+            return []
+        replicas = self.ranks.hsdp[0]
+        return [
+            f"HSDP: the weights are replica 0's; the other {replicas - 1} replica(s)' weights were not compared "
+            "(their optimizer files were: steps and param groups agree)"
+        ]
 
     def check(self) -> None:
         if self.ranks.flat is None:  # LOCAL_STATE_DICT: what the flat parameters hold needs the model (--like)
