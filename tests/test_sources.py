@@ -186,3 +186,30 @@ def test_the_converters_need_no_fairscale(checkpoints, tmp_path):
     args = [str(checkpoints["fairscale"][0]), str(checkpoints["fsdp2"][0]), str(tmp_path)]
     res = subprocess.run([sys.executable, "-c", NO_FAIRSCALE, *args], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp1", "fsdp1-local"])
+def test_torch_rank_files_are_written_by_jobs_and_torchrun_ranks_byte_for_byte(checkpoints, tmp_path, kind):
+    """One rank-file writer for every family: --jobs processes and torchrun ranks write what one process does."""
+    import subprocess
+    import sys
+
+    from ckptshard.fsdp.launch import free_port
+
+    path, kw, _ = checkpoints[kind]
+    ckptshard.reshard(path, tmp_path / "one", 4, progress=False, jobs=1, **kw)
+    ckptshard.reshard(path, tmp_path / "jobs", 4, progress=False, jobs=2, **kw)
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    args = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    cli = ["-m", "ckptshard.cli", "reshard", str(path), "-n", "4", "-o", str(tmp_path / "ranks"), "-q"]
+    cli += [f"--like={kw['like']}"] if "like" in kw else []
+    res = subprocess.run([torchrun, *args, *cli], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    def files(name):
+        root = tmp_path / name
+        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    one = files("one")
+    assert len([n for n in one if n.startswith("model_world_size_4_rank_")]) == 4
+    for other in ("jobs", "ranks"):
+        assert files(other) == one, other

@@ -33,60 +33,89 @@ def _size_as_itself(size: Size) -> Any:
     return Size, (tuple(size),)
 
 
-Job = Tuple[Any, str]  # (tree, output path), or a PlannedFile
+Job = Tuple[Any, ...]  # (tree, output path[, mesh place]), or a PlannedFile
 
 
 class PlannedFiles:
     """The trees of many output files, each planned when it is written: a reshard to 100,000 ranks
     holds one rank's plan at a time, not all of them. File 0 is planned at once (its planning runs
-    every check of the input); the others have its size and copy runs, as every FSDP rank's file does."""
+    every check of the input); the others have its size and copy runs, as every FSDP rank's file does.
+    ``plan(i)`` may give a dict of trees (torch FSDP's model and optimizer files of rank i): each is a
+    file of its own, named by its key (:meth:`rank_jobs`)."""
 
     def __init__(self, plan: Callable[[int], Any], count: int) -> None:
         self._plan, self.count = plan, count
+        self._recent: Dict[int, Any] = {}  # a rank's dict of trees, planned once for its several files
         self.first = plan(0)
         self.nbytes, self.pieces = tree_nbytes(self.first), tree_pieces(self.first)
 
     def tree(self, i: int) -> Any:
-        return self.first if i == 0 else self._plan(i)
+        if i == 0:
+            return self.first
+        tree = self._recent.get(i)
+        if tree is None:  # writer threads may plan one rank twice at worst
+            tree = self._plan(i)
+            if len(self._recent) > 8:
+                self._recent.clear()
+            self._recent[i] = tree
+        return tree
 
     def jobs(self, paths: Sequence[str]) -> List[PlannedFile]:
         return [PlannedFile(self, i, p) for i, p in enumerate(paths)]
 
+    def rank_jobs(self, path: Callable[[str, int], str], place: Callable[[int], Any]) -> List[PlannedFile]:
+        """One job per (rank, key) of dicts of trees, in rank order; ``path(key, rank)``, ``place(rank)``: the
+        file's path and its DTensors' mesh place (``write_torch``'s)."""
+        return [PlannedFile(self, i, path(k, i), k, place(i)) for i in range(self.count) for k in self.first]
+
 
 class PlannedFile:
-    """A job (tree, path) whose tree is planned when it is unpacked, or pickled for a worker process."""
+    """A job (tree, path) whose tree is planned when it is unpacked, or pickled for a worker process;
+    ``key``: the file is that entry of the planned dict; ``place``: its DTensors' mesh place, a third item."""
 
-    def __init__(self, files: PlannedFiles, index: int, path: str) -> None:
-        self.files, self.index, self.path = files, index, path
+    def __init__(self, files: PlannedFiles, index: int, path: str, key: Optional[str] = None, place: Any = None):
+        self.files, self.index, self.path, self.key, self.place = files, index, path, key, place
+
+    def _tree(self) -> Any:
+        tree = self.files.tree(self.index)
+        return tree if self.key is None else tree[self.key]
 
     def __getitem__(self, i: int) -> Any:  # a (tree, path) pair: job[1] plans nothing
-        return self.path if i in (1, -1) else tuple(self)[i]
+        return self.path if i == 1 else tuple(self)[i]
 
     def __len__(self) -> int:
-        return 2
+        return 2 if self.key is None else 3
 
     def __iter__(self) -> Any:
-        return iter((self.files.tree(self.index), self.path))
+        return iter((self._tree(), self.path) if self.key is None else (self._tree(), self.path, self.place))
 
     def __reduce__(self) -> Any:
-        return tuple, ((self.files.tree(self.index), self.path),)
+        return tuple, (tuple(self),)
+
+    @property
+    def nbytes(self) -> int:
+        return self.files.nbytes if self.key is None else tree_nbytes(self.files.first[self.key])
+
+    @property
+    def pieces(self) -> int:
+        return self.files.pieces if self.key is None else tree_pieces(self.files.first[self.key])
 
 
 def job_nbytes(job: Any) -> int:
-    return job.files.nbytes if isinstance(job, PlannedFile) else tree_nbytes(job[0])
+    return job.nbytes if isinstance(job, PlannedFile) else tree_nbytes(job[0])
 
 
 def job_pieces(job: Any) -> int:
-    return job.files.pieces if isinstance(job, PlannedFile) else tree_pieces(job[0])
+    return job.pieces if isinstance(job, PlannedFile) else tree_pieces(job[0])
 
 
 Digests = Dict[str, str]  # file name -> digest, from the process that wrote the file
 
 
 def _write_one(job: Job, trust_pickles: bool, tick: Optional[Progress] = None) -> Tuple[str, str]:
-    tree, path = job
+    tree, path, *place = job  # (tree, path[, mesh place]): torch FSDP files name their DTensors' place
     with Copier() as copier, Hashes() as hashes:
-        write_torch(path, tree, copier, tick, trust_pickles, hashes)
+        write_torch(path, tree, copier, tick, trust_pickles, hashes, place[0] if place else None)
         return path, hashes.digest(path)  # also waits for the hash pass's CRCs: the file is final
 
 

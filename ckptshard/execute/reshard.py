@@ -6,7 +6,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..dtypes import StoredDType
 from ..errors import CheckpointError
@@ -250,7 +250,8 @@ def reshard_source(
     """:func:`reshard` of an opened source (``convert`` opens it once for both)."""
     n, optimizer = target.world_size, target.optimizer
     if isinstance(source, TorchRanksSource):
-        return reshard_ranks(source, dst, n, overwrite, progress, optimizer, target.shard_group, target.mesh_dim_names)
+        how = (overwrite, progress, optimizer, target.shard_group, target.mesh_dim_names, jobs)
+        return reshard_ranks(source, dst, n, *how)
     if target.shard_group is not None or target.mesh_dim_names is not None:
         raise source.refuse("--shard-group or --mesh-dim-names", "they are for torch FSDP2 per-rank files")
     if isinstance(source, ModelPartsSource):
@@ -427,6 +428,7 @@ def reshard_ranks(
     optimizer: bool,
     group: Optional[int] = None,
     dim_names: Optional[Sequence[str]] = None,
+    jobs: int = AUTO,
 ) -> ReshardResult:
     """torch FSDP2 or FSDP1 per-rank files at ``world`` ranks, named and laid out as the source's.
 
@@ -450,8 +452,8 @@ def reshard_ranks(
     ranks.require_params()
     group = shard_group(ranks, world, group)
     mesh = TargetMesh(ranks, world, group, dim_names)
-    if torchrun_world() is not None:
-        raise CheckpointError("resharding torch FSDP files runs in one process: start it without torchrun")
+    if torchrun_world() is not None and mesh.replicas > 1:  # its mesh template needs a process group of its own
+        raise CheckpointError("resharding torch FSDP files to HSDP runs in one process: start it without torchrun")
     files = ranks.files
     carried = files.carried_files()
     config = next((read_fsdp_config(p) for n, p in carried if n == FSDP_CONFIG), None)
@@ -488,30 +490,43 @@ def reshard_ranks(
     per_rank = planned.nbytes
     extra = max((os.path.getsize(p) for p in files.extra or ()), default=0)  # each new rank copies one
     bound = world * (sum(torch_file_size_bound(t) for t in planned.first.values()) + 3 * MANIFEST_ENTRY)
-    check_space(dst, bound + extra * world + sum(os.path.getsize(p) for _, p in carried))
     desc = f"reshard {_mesh_text(ranks.hsdp or (1, ranks.world_size))}->{_mesh_text((mesh.replicas, group))}"
-    names: List[str] = []
-    digests: Dict[str, str] = {}
+
+    def place_of(r: int) -> Any:
+        return None if no_shard else mesh.place(r)
+
+    names = [files.name_of(k, r, world) for r in range(world) for k in [*planned.first, "extra_state"]]
+    names = [n for n in names if files.extra or not n.startswith("extra_state")]
+
+    def write_share(folder: str, share: Callable[[List[Any]], List[Any]], tick: Any) -> Digests:
+        """This process's (or rank's) share of the rank files, written by ``jobs`` processes or threads."""
+        work = planned.rank_jobs(lambda k, r: os.path.join(folder, files.name_of(k, r, world)), place_of)
+        return write_torch_files(share(work), jobs, False, tick)
+
+    def finish(folder: str, digests: Digests) -> None:
+        for r in range(world if files.extra else 0):  # verl's extra_state: copied byte for byte, never unpickled
+            name = files.name_of("extra_state", r, world)
+            shutil.copyfile(files.extra[r % len(files.extra)], os.path.join(folder, name))
+        names.extend(_carry(carried, config, folder, world))
+        manifest = build_manifest(folder, names, source.describe(), "reshard", None, digests)
+        write_json(os.path.join(folder, MANIFEST), manifest)
+
+    bytes_on_disk = bound + extra * world + sum(os.path.getsize(p) for _, p in carried)
+    ranks_world = torchrun_world()
+    if ranks_world is not None:  # torchrun: rank i writes files i, i + world, ...; rank 0 the rest
+        rank, n = ranks_world
+        write_folder_across_ranks(
+            dst, overwrite, bytes_on_disk, rank, n,
+            lambda folder: write_share(folder, lambda work: work[rank::n], None),
+            lambda folder, shares: finish(folder, merged(shares)),
+        )  # fmt: skip
+        return ReshardResult(dst, names, per_rank * world, source.notes())
+    check_space(dst, bytes_on_disk)
     with (
         progress_bar(per_rank * world, desc, progress) as tick,
         atomic_output(dst, is_dir=True, overwrite=overwrite) as tmp,
-        Copier() as copier,
-        Hashes() as hashes,
     ):
-        for r in range(world):
-            place = None if no_shard else mesh.place(r)
-            for kind, tree in planned.tree(r).items():
-                name = files.name_of(kind, r, world)
-                write_torch(os.path.join(tmp, name), tree, copier, tick, False, hashes, place)
-                digests[name] = hashes.digest(os.path.join(tmp, name))
-                names.append(name)
-            if files.extra:
-                name = files.name_of("extra_state", r, world)
-                shutil.copyfile(files.extra[r % len(files.extra)], os.path.join(tmp, name))
-                names.append(name)
-        names += _carry(carried, config, tmp, world)
-        manifest = build_manifest(tmp, names, source.describe(), "reshard", None, digests)
-        write_json(os.path.join(tmp, MANIFEST), manifest)
+        finish(tmp, write_share(tmp, lambda work: work, tick))
     return ReshardResult(dst, names, per_rank * world, source.notes())
 
 

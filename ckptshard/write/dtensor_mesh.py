@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import warnings
 from typing import Any, Iterator, Optional, Tuple
 
@@ -38,6 +39,18 @@ def fake_mesh(
 
     ``dtensors=False`` (FSDP1's ShardedTensors only) leaves ``torch.distributed.tensor`` unimported.
     """
+    with _FAKE_GROUP, _fake_mesh(world, rank, dtensors, shape, dim_names) as mesh:
+        yield mesh
+
+
+# One fake process group at a time: it is the process's default group, and writer threads each make one.
+_FAKE_GROUP = threading.Lock()
+
+
+@contextlib.contextmanager
+def _fake_mesh(
+    world: int, rank: int, dtensors: bool, shape: Optional[Tuple[int, ...]], dim_names: Optional[Tuple[str, ...]]
+) -> Iterator[Any]:
     import torch.distributed as dist
 
     if dist.is_initialized():
