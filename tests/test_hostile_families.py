@@ -263,7 +263,7 @@ def test_hsdp_replicas_whose_optimizer_files_disagree_are_refused(hsdp_run, tmp_
 
 
 def test_optimizer_state_no_param_group_lists_is_refused(tmp_path):
-    from ckptshard.read.torch_ranks import check_optimizers_agree
+    from ckptshard.read.rank_optimizers import check_optimizers_agree
 
     groups = [{"params": [0, 1], "lr": 0.1}]
     with pytest.raises(CheckpointError, match="state for parameter id 7, which no param_group lists"):

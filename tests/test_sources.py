@@ -205,6 +205,7 @@ def test_torch_rank_files_are_written_by_jobs_and_torchrun_ranks_byte_for_byte(c
     cli += [f"--like={kw['like']}"] if "like" in kw else []
     res = subprocess.run([torchrun, *args, *cli], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
+
     def files(name):
         root = tmp_path / name
         return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}

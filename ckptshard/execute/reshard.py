@@ -27,9 +27,9 @@ from ..plan.torch_ranks import (
 )
 from ..read.full_state import full_state_refs
 from ..read.model_parts import PartFiles
+from ..read.rank_files import FSDP_CONFIG, read_fsdp_config
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint
-from ..read.torch_ranks import FSDP_CONFIG, read_fsdp_config
 from ..sources.base import Source
 from ..sources.fairscale import FairscaleSource, source_info
 from ..sources.model_parts import DEFAULT_TOLERANCE, ModelPartsSource, repartitioned

@@ -19,7 +19,9 @@ from ..formats.dtensor_pickle import mesh_dim_names
 from ..formats.torch_distributed import MeshPlace
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..layout.fsdp1_flat import ALIGNS, FlatUnits, Slices, find_units, flat_offsets, same_at
-from ..read.torch_ranks import TorchRanks, assemble, flat_prefix, rank_slices
+from ..read.fsdp1_local import flat_prefix
+from ..read.rank_pieces import assemble, rank_slices
+from ..read.torch_ranks import TorchRanks
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
 from ..tree import map_leaves
 

@@ -1,14 +1,10 @@
-"""torch FSDP2's per-rank files: each rank's ``model.state_dict()`` (DTensors), optimizer state, extra state.
+"""torch FSDP per-rank files opened: each rank's ``model.state_dict()`` (FSDP2's DTensors, HSDP's on a 2-D
+mesh, FSDP1's ShardedTensors, or plain tensors at one rank) and optimizer state.
 
-Two layouts are recognised from the files alone:
-
-- verl's: ``model_world_size_{W}_rank_{r}.pt``, ``optim_world_size_{W}_rank_{r}.pt``
-  and ``extra_state_world_size_{W}_rank_{r}.pt`` beside ``fsdp_config.json``
-  and a ``huggingface/`` folder;
-- plain: one file per rank named like fairscale shards (``..._rank{r}.pt``,
-  ``...shard{r}.pt``) holding a state dict of DTensors.
-
-Every file is read by the torch-free reader (no process group, no model
+The files are found by ``rank_files`` (verl's layout, or one rank-numbered
+file per rank); FSDP1's LOCAL_STATE_DICT flat parameters are read by
+``fsdp1_local``, the optimizer files checked to agree by ``rank_optimizers``,
+the pieces joined by ``rank_pieces``. Every file is read by the torch-free reader (no process group, no model
 code); DTensors become :class:`~ckptshard.tensors.DTensorRef`. Everything the
 conversions rely on is checked here, before any output is planned: every
 rank present once, one world size, the same names, shapes, dtypes and
@@ -17,160 +13,21 @@ placements on every rank, and each rank's piece the size FSDP2 cuts.
 
 from __future__ import annotations
 
-import json
-import os
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from ..formats.torch_pickle import Unsupported
-from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
+from ..layout.dim_shards import chunk_sizes, local_shape
 from ..layout.param_order import match_in_order
 from ..osio.inputs import input_file
-from ..tensors import DTensorRef, Fill, Source, TensorRef, numel, sources_in, whole
-from ..tree import leaves, map_leaves
-from .discover import find_shards
+from ..tensors import DTensorRef, Fill, TensorRef, numel, sources_in, whole
+from ..tree import map_leaves
+from .fsdp1_local import LocalStateDict, flat_prefix
 from .full_state import full_state_refs, keeps_model_order
-from .tensor_data import read_scalars, repeated_values
-from .torch_file import read_torch_file
-
-VERL_NAME = re.compile(r"^(?P<kind>model|optim|extra_state)_world_size_(?P<ws>\d+)_rank_(?P<rank>\d+)\.pt$")
-FSDP_CONFIG = "fsdp_config.json"  # verl's: {"FSDP_version": 2, "world_size": W}
-
-
-@dataclass(frozen=True)
-class RankFiles:
-    """The files of one per-rank checkpoint; index = rank. ``name_of(kind, rank, world)``: a file's name."""
-
-    folder: str
-    world_size: int
-    model: Tuple[str, ...]
-    optim: Optional[Tuple[str, ...]] = None
-    extra: Optional[Tuple[str, ...]] = None
-    verl: bool = True
-    head: str = ""  # plain layout: the name around the rank number
-    tail: str = ""
-
-    def name_of(self, kind: str, rank: int, world: int) -> str:
-        if self.verl:
-            return f"{kind}_world_size_{world}_rank_{rank}.pt"
-        return f"{self.head}{rank}{self.tail}"
-
-    @property
-    def paths(self) -> Tuple[str, ...]:
-        return self.model + (self.optim or ()) + (self.extra or ())
-
-    def carried(self) -> List[str]:
-        """The folder's other entries (``fsdp_config.json``, ``huggingface/``...), by name: copied on reshard."""
-        if not self.verl:
-            return []
-        return sorted(n for n in os.listdir(self.folder) if not VERL_NAME.match(n))
-
-    def carried_files(self) -> List[Tuple[str, str]]:
-        """Every file of :meth:`carried` entries as (path relative to the folder, path), in manifest order.
-
-        Each must be a regular file or a link to one, and is recorded as an input (so a change while the
-        output is written stops it): a link to ``/dev/zero`` would otherwise be copied until the disk is
-        full. Checked before any byte is written."""
-        out: List[Tuple[str, str]] = []
-        for name in self.carried():
-            path = os.path.join(self.folder, name)
-            if not os.path.isdir(path):
-                out.append((name, path))
-                continue
-            found = []
-            for d, dirs, fs in os.walk(path):
-                linked = next((x for x in dirs if os.path.islink(os.path.join(d, x))), None)
-                if os.path.islink(path) or linked is not None:
-                    where = path if os.path.islink(path) else os.path.join(d, linked or "")
-                    raise CheckpointError(f"{where}: a link to a folder; copy the folder itself in its place")
-                found += [os.path.join(d, f) for f in fs]
-            out += sorted((os.path.relpath(p, self.folder), p) for p in found)
-        for _, path in out:
-            input_file(path)
-        return out
-
-
-def find_verl(src: str) -> Optional[RankFiles]:
-    """verl's per-rank files in folder ``src`` (or the folder of one of them); None if it has none."""
-    folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-    if not os.path.isdir(src) and not VERL_NAME.match(os.path.basename(src)):
-        return None
-    found: Dict[str, Dict[int, Dict[int, str]]] = {}
-    for name in sorted(os.listdir(folder)):
-        m = VERL_NAME.match(name)
-        if m:
-            by_rank = found.setdefault(m["kind"], {}).setdefault(int(m["ws"]), {})
-            twin = by_rank.setdefault(int(m["rank"]), name)
-            if twin != name:  # rank_1 and rank_01: either could be taken
-                raise CheckpointError(f"{folder}: rank {int(m['rank'])} is named twice: {twin} and {name}; keep one")
-    if "model" not in found:
-        return None
-    sizes = sorted({ws for by_ws in found.values() for ws in by_ws})
-    if len(sizes) > 1:
-        raise CheckpointError(f"{folder}: files of several world sizes ({', '.join(map(str, sizes))}); keep one")
-    world = sizes[0]
-    kinds: Dict[str, Tuple[str, ...]] = {}
-    for kind, by_ws in found.items():
-        by_rank = by_ws[world]
-        if len(by_rank) != world or max(by_rank) >= world:  # counted first: a name may claim 10**12 ranks
-            missing = next((r for r in range(len(by_rank) + 1) if r not in by_rank), None)
-            beyond = sorted(r for r in by_rank if r >= world)
-            what = f"rank {beyond[0]} is beyond world size {world}" if beyond else f"rank {missing} is missing"
-            raise CheckpointError(f"{folder}: {kind}_world_size_{world}_rank_*.pt: {what}")
-        kinds[kind] = tuple(os.path.join(folder, by_rank[r]) for r in range(world))
-    return RankFiles(folder, world, kinds["model"], kinds.get("optim"), kinds.get("extra_state"))
-
-
-CONFIG_LIMIT = 1 << 20  # bytes of fsdp_config.json read at most: verl's is a few dozen
-
-
-def read_fsdp_config(path: str) -> Any:
-    """``fsdp_config.json``, as one line of error where it is no regular file, too long or not JSON."""
-    if input_file(path).st_size > CONFIG_LIMIT:
-        raise CheckpointError(f"{path}: larger than {CONFIG_LIMIT:,} bytes; not a verl fsdp_config.json")
-    with open(path, "rb") as f:
-        text = f.read(CONFIG_LIMIT + 1)
-    try:
-        config = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else "not JSON"
-        raise CheckpointError(f"{path}: {why}") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: a JSON {type(config).__name__}, not the object verl writes")
-    return config
-
-
-def _read(path: str) -> Any:
-    try:
-        return read_torch_file(path)
-    except Unsupported as e:
-        raise CheckpointError(f"{path}: cannot read this per-rank file without torch ({e})") from None
-
-
-def has_dtensors(tree: Any) -> bool:
-    return any(isinstance(v, DTensorRef) for _, v in leaves(tree))
-
-
-def find_torch_ranks(src: str) -> Optional[Tuple[RankFiles, List[Any]]]:
-    """The per-rank files ``src`` names and their model trees, if they are torch FSDP's (DTensors or
-    ShardedTensors); else None."""
-    files = find_verl(src)
-    if files is not None:
-        return files, [_read(p) for p in files.model]
-    if not os.path.exists(src):
-        return None
-    try:
-        shards = find_shards(src)
-        first = read_torch_file(shards.paths[0])
-    except (CheckpointError, Unsupported):
-        return None
-    if not has_dtensors(first):
-        return None
-    folder, world = os.path.dirname(shards.paths[0]), len(shards.paths)
-    files = RankFiles(folder, world, shards.paths, verl=False, head=shards.head, tail=shards.tail)
-    return files, [first] + [_read(p) for p in shards.paths[1:]]
+from .rank_files import RankFiles, find_torch_ranks, has_dtensors, read_rank_file
+from .rank_optimizers import check_optimizers_agree
+from .rank_pieces import assemble, is_slice, rank_slices
+from .tensor_data import repeated_values
 
 
 def _model_dict(tree: Any, path: str) -> Dict[str, Any]:
@@ -246,21 +103,6 @@ def _shard_piece(x: Any) -> Any:
     if isinstance(x, DTensorRef) and len(x.placements) == 2:
         return replace(x, placements=x.placements[1:], coordinate=x.coordinate[1:])  # type: ignore[index]
     return x
-
-
-def assemble(pieces: Sequence[DTensorRef]) -> Fill:
-    """The whole tensor of every rank's piece (checked by :func:`_check_piece`)."""
-    first = pieces[0]
-    kind, dim = first.placements[0]
-    if kind == "replicate":
-        return whole(first.local)
-    sources, start = [], 0
-    for piece in pieces:
-        rows = piece.local.shape[dim]
-        for dst, src, length in row_runs(first.shape, dim, start, rows):
-            sources.append(Source(piece.local, src, dst, length))
-        start += rows
-    return Fill(tuple(first.shape), first.dtype, tuple(sources))
 
 
 class TorchRanks:
@@ -348,7 +190,7 @@ class TorchRanks:
                     raise CheckpointError(f"{path}: {name} differs from rank 0's in shape or dtype")
 
     def _optim(self, path: str) -> Dict[str, Any]:
-        osd = _read(path)
+        osd = read_rank_file(path)
         if not (isinstance(osd, Mapping) and isinstance(osd.get("state"), Mapping) and "param_groups" in osd):
             raise CheckpointError(f"{path}: not an optimizer state_dict() (state, param_groups)")
         return dict(osd)
@@ -522,7 +364,7 @@ class TorchRanks:
                 out[name] = whole(v0) if isinstance(v0, TensorRef) else v0
                 continue
             pieces = [h.get(name) for h in held]  # type: ignore[union-attr]
-            if not all(_is_slice(p) and p.numel == v0.numel and str(p.dtype) == str(v0.dtype) for p in pieces):
+            if not all(is_slice(p) and p.numel == v0.numel and str(p.dtype) == str(v0.dtype) for p in pieces):
                 raise CheckpointError(
                     f"{where}: optimizer entry {pid} ({key})'s {name} is not one equal 1-D shard per rank: not "
                     "the state of an FSDP1 flat parameter"
@@ -650,7 +492,7 @@ class TorchRanks:
             if self.no_shard:  # one rank holds every parameter whole
                 seen.append({0: (0, count)} if self.optims[0]["state"].get(pid) else None)
                 continue
-            moments = [next((v for v in o["state"].get(pid, {}).values() if _is_slice(v)), None) for o in self.optims]
+            moments = [next((v for v in o["state"].get(pid, {}).values() if is_slice(v)), None) for o in self.optims]
             sources, _ = rank_slices(moments)
             seen.append({r: (s.dst_start, s.length) for r, s in sources.items()} or None)
         return pairs, numels, seen
@@ -675,7 +517,7 @@ class TorchRanks:
                 continue
             for r, entry in held:
                 piece = entry.get(key)
-                if not _is_slice(piece) or str(piece.dtype) != str(v0.dtype):
+                if not is_slice(piece) or str(piece.dtype) != str(v0.dtype):
                     raise CheckpointError(
                         f"{self.files.optim[r]}: optimizer entry {pid} ({name})'s {key} is not a 1-D "  # type: ignore[index]
                         f"{v0.dtype} slice like rank {held[0][0]}'s: not FSDP1 use_orig_params state"
@@ -697,223 +539,6 @@ class TorchRanks:
             if isinstance(v, TensorRef) and v.shape and tuple(v.shape) != shape:
                 raise CheckpointError(f"{where}: {name}'s {key} has shape {tuple(v.shape)}, the parameter {shape}")
         return {k: whole(v) if isinstance(v, TensorRef) else v for k, v in entry.items()}
-
-
-def _same_on_every_rank(v: Any) -> bool:
-    """A value of a parameter's optimizer state that every rank holds alike: a 0-d tensor (Adam's ``step``) or
-    anything that is not a tensor; moments are each rank's piece (a slice of one element is 1-d)."""
-    if isinstance(v, TensorRef):
-        return v.shape == ()
-    return not isinstance(v, DTensorRef)
-
-
-def _kind(v: Any) -> str:
-    if isinstance(v, DTensorRef):
-        return "a DTensor"
-    if isinstance(v, TensorRef):
-        return "a 0-d tensor" if v.shape == () else "a tensor"
-    return f"a {type(v).__name__}"
-
-
-def check_optimizers_agree(osds: Sequence[Mapping[str, Any]], paths: Sequence[str]) -> None:
-    """Refuse optimizer files of different steps or runs, as far as the files tell: every file's
-    param_groups (learning rate, betas... all but the ids), each parameter's state keys and the values every
-    rank holds alike (Adam's ``step``) must agree with every other file's, and no state may belong to an id
-    no group lists (it would be dropped from the output). Which step a model file is of, no file records
-    (docs/errors.md)."""
-    first, where = osds[0], paths[0]
-    listed = {pid for g in first["param_groups"] for pid in g.get("params", ())}
-    seen: Dict[Any, Tuple[Any, str]] = {}  # (pid,) -> its keys; (pid, key) -> its value, with the file
-
-    def agree(key: Any, value: Any, path: str, what: str) -> None:
-        first_value, first_path = seen.setdefault(key, (value, path))
-        if first_value != value:
-            raise CheckpointError(
-                f"{path}: {what} is {value!r}, {os.path.basename(first_path)}'s is {first_value!r}: "
-                "optimizer files of different steps or runs"
-            )
-
-    for osd, path in zip(osds, paths):
-        for i, (g, g0) in enumerate(zip(osd["param_groups"], first["param_groups"])):
-            key = next((k for k in sorted(set(g) | set(g0), key=str) if k != "params" and g.get(k) != g0.get(k)), None)
-            if key is not None:
-                raise CheckpointError(
-                    f"{path}: param_groups[{i}].{key} is {g.get(key)!r}, {os.path.basename(where)} says "
-                    f"{g0.get(key)!r}: optimizer files of different runs or steps"
-                )
-        stray = next((pid for pid in osd["state"] if pid not in listed), None)
-        if stray is not None:
-            raise CheckpointError(f"{path}: optimizer state for parameter id {stray!r}, which no param_group lists")
-        alike = []
-        for pid, entry in osd["state"].items():
-            if not isinstance(entry, Mapping):
-                raise CheckpointError(f"{path}: state[{pid}] is a {type(entry).__name__}, not a dict of state")
-            agree((pid,), sorted(map(str, entry)), path, f"state[{pid}] keys")
-            for k, v in entry.items():
-                agree((pid, k, type), _kind(v), path, f"state[{pid}][{k!r}]")
-            alike += [((pid, k), v) for k, v in entry.items() if _same_on_every_rank(v)]
-        values = iter(read_scalars([v for _, v in alike if isinstance(v, TensorRef)]))
-        for key, v in alike:
-            agree(key, next(values) if isinstance(v, TensorRef) else v, path, f"state[{key[0]}][{key[1]!r}]")
-
-
-def flat_prefix(name: str) -> Optional[str]:
-    """``blocks.0.`` for ``blocks.0._flat_param`` (an FSDP1 unit's flat parameter), ``""`` for the root's."""
-    head, _, last = name.rpartition(".")
-    return (head + "." if head else "") if last in ("_flat_param", "flat_param") else None
-
-
-class LocalStateDict:
-    """FSDP1's LOCAL_STATE_DICT files read with the model's full state dict ``like`` (names, shapes, ties).
-
-    Each unit's flat parameter is stored as rank-sized chunks (a ShardedTensor). Under ``use_orig_params``
-    the files also hold each original parameter's 1-D slice on that rank: joined in rank order they are the
-    parameter, whatever the flat layout. Without it, the parameters are cut from the flat parameters as FSDP1
-    lays them out: each unit's parameters (those under its module and no deeper unit) in ``like``'s order, a
-    tie once, no padding between them; each unit's size is checked.
-    """
-
-    def __init__(self, models: List[Dict[str, Any]], like: Dict[str, TensorRef], where: str, ordered: bool) -> None:
-        self.models, self.like, self.where, self.ordered = models, like, where, ordered
-        first = models[0]
-        unknown = next((k for k in first if flat_prefix(k) is None and k not in like), None)
-        if unknown is not None:
-            raise CheckpointError(f"{where}: holds {unknown}, which --like lacks: not the same model")
-        self.flats = {flat_prefix(k): assemble([sd[k] for sd in models]) for k in first if flat_prefix(k) is not None}
-
-    def _slices(self, name: str, ref: TensorRef) -> Optional[Fill]:
-        """The parameter joined from each rank's 1-D slice (``use_orig_params``), or None if not stored so."""
-        pieces = [sd.get(name) for sd in self.models]
-        if not all(_is_slice(p) for p in pieces):
-            return None
-        sources, count = rank_slices(pieces)
-        if count != ref.numel:
-            return None
-        return Fill(tuple(ref.shape), pieces[0].dtype, tuple(sources.values()))
-
-    def full_model(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        flat_params: List[str] = []
-        for name, ref in self.like.items():
-            v0 = self.models[0].get(name)
-            joined = self._slices(name, ref)
-            if joined is not None:
-                out[name] = joined
-            elif isinstance(v0, TensorRef) and tuple(v0.shape) == tuple(ref.shape):
-                out[name] = whole(v0)  # a buffer: whole on every rank, rank 0's as FSDP1's full state dict
-            elif v0 is None:
-                flat_params.append(name)
-            else:
-                raise CheckpointError(
-                    f"{self.where}: {name} is stored as {list(v0.shape)}, --like has {list(ref.shape)}: "
-                    "not the same model"
-                )
-        out.update(self._cut(flat_params))
-        # The model's order: like's if it keeps it, else the files' (each name there under use_orig_params).
-        order = list(self.like) if self.ordered else [k for k in self.models[0] if flat_prefix(k) is None]
-        return {name: out[name] for name in order + [n for n in self.like if n not in order]}
-
-    @property
-    def orig_params(self) -> bool:
-        """Saved with ``use_orig_params=True``: each parameter's rank slice is in the files beside the flat
-        parameters."""
-        return any(name in self.models[0] for name in self.param_names())
-
-    def param_names(self) -> List[str]:
-        """The parameters, in ``like``'s order: the names stored as rank slices or only in a flat parameter
-        (the others are buffers, whole on every rank)."""
-        out = []
-        for name, ref in self.like.items():
-            v0 = self.models[0].get(name)
-            if v0 is None or self._slices(name, ref) is not None:
-                out.append(name)
-        return out
-
-    def units(self) -> Dict[str, Tuple[List[str], Dict[str, str]]]:
-        """Each flat parameter's prefix -> the parameters it holds in flat order (a tie once), and the tie's
-        other names -> the name stored. Under ``use_orig_params`` a tie's names are views of one place in every
-        rank's file; without it, ties are told by ``like``'s values and the flat parameter's size."""
-        prefixes = sorted(self.flats, key=len, reverse=True)
-        members: Dict[str, List[str]] = {p: [] for p in self.flats}
-        for name in self.param_names():
-            unit = next((p for p in prefixes if name.startswith(p)), None)
-            if unit is None:
-                raise CheckpointError(f"{self.where}: {name} is under no FSDP unit's flat parameter")
-            members[unit].append(name)
-        out: Dict[str, Tuple[List[str], Dict[str, str]]] = {}
-        for unit, names in members.items():
-            if all(n in self.models[0] for n in names):  # rank slices: a tie is the same bytes on every rank
-                seen: Dict[Any, str] = {}
-                twins: Dict[str, str] = {}
-                for n in names:
-                    key = tuple((sd[n].offset, sd[n].numel) for sd in self.models)
-                    if sum(sd[n].numel for sd in self.models) and key in seen:
-                        twins[n] = seen[key]
-                    else:
-                        seen.setdefault(key, n)
-                out[unit] = ([n for n in names if n not in twins], twins)
-            else:
-                out[unit] = self._untied(names, self.flats[unit].numel)
-        return out
-
-    def _cut(self, names: List[str]) -> Dict[str, Fill]:
-        """``names`` (in ``like``'s order) cut from the flat parameters."""
-        if names and not self.ordered:
-            raise CheckpointError(
-                f"{self.where}: {names[0]} is only in a flat parameter, laid out in the model's parameter order, "
-                "and a safetensors --like lists names sorted: pass a torch.save state dict of the model "
-                "(model.state_dict(), or FSDP1's FULL_STATE_DICT)"
-            )
-        prefixes = sorted(self.flats, key=len, reverse=True)
-        units: Dict[str, List[str]] = {}
-        for name in names:
-            unit = next((p for p in prefixes if name.startswith(p)), None)
-            if unit is None:
-                raise CheckpointError(f"{self.where}: {name} is under no FSDP unit's flat parameter")
-            units.setdefault(unit, []).append(name)
-        out: Dict[str, Fill] = {}
-        for unit, members in units.items():
-            flat = self.flats[unit]
-            stored, twins = self._untied(members, flat.numel)
-            at = 0
-            for name in stored:
-                ref = self.like[name]
-                out[name] = Fill(tuple(ref.shape), flat.dtype, sources_in(flat, at, at + ref.numel))
-                at += ref.numel
-            for name, twin in twins.items():
-                out[name] = out[twin]
-        return out
-
-    def _untied(self, members: List[str], size: int) -> Tuple[List[str], Dict[str, str]]:
-        """The unit's parameters stored in its flat parameter of ``size`` elements, and the ties left out
-        (a later name whose values in ``like`` equal an earlier one's, taken as a tie if the sizes say so)."""
-        total = sum(self.like[n].numel for n in members)
-        if total == size:
-            return members, {}
-        twins = repeated_values([(n, whole(self.like[n])) for n in members])
-        if total - sum(self.like[n].numel for n in twins) != size:
-            unit = next(iter(members))
-            raise CheckpointError(
-                f"{self.where}: the FSDP unit holding {unit} has {size} elements in its flat parameter, and the "
-                f"parameters --like puts there {total}: not the same model or wrapping"
-            )
-        return [n for n in members if n not in twins], twins
-
-
-def _is_slice(v: Any) -> bool:
-    return isinstance(v, TensorRef) and len(v.shape) == 1
-
-
-def rank_slices(pieces: Sequence[Optional[TensorRef]]) -> Tuple[Dict[int, Source], int]:
-    """1-D slices of one tensor's flattened elements, one per rank (None or empty: the rank holds none), laid
-    end to end in rank order: each holding rank's Source, and the elements they cover."""
-    sources: Dict[int, Source] = {}
-    start = 0
-    for r, piece in enumerate(pieces):
-        if piece is not None and piece.numel:
-            sources[r] = Source(piece, 0, start, piece.numel)
-            start += piece.numel
-    return sources, start
 
 
 def open_torch_ranks(

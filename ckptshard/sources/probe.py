@@ -16,8 +16,9 @@ from ..read.dcp import METADATA, is_dcp
 from ..read.discover import group_by_rank
 from ..read.full_state import full_state_refs
 from ..read.model_parts import find_model_parts, open_model_parts
+from ..read.rank_files import VERL_NAME
 from ..read.source import open_checkpoint
-from ..read.torch_ranks import VERL_NAME, open_torch_ranks_like
+from ..read.torch_ranks import open_torch_ranks_like
 from .base import Source
 from .dcp import DcpSource
 from .fairscale import FairscaleSource
