@@ -179,7 +179,7 @@ def _to_fairscale(
     jobs: int,
 ) -> ConvertResult:
     if isinstance(source, DcpSource):
-        how = (optimizer, overwrite, trust_pickles, progress, *shape, jobs)
+        how = (optimizer, overwrite, trust_pickles, progress, shape, jobs)
         return _dcp_to_fairscale(source, out, like, world_size, *how)
     if not isinstance(source, FairscaleSource):
         raise source.refuse(
@@ -364,12 +364,10 @@ def _dcp_to_fairscale(
     overwrite: bool,
     trust_pickles: bool,
     progress: bool,
-    select: Sequence[str],
-    strip_prefix: Sequence[str],
-    renames: Sequence[Any],
-    dtype: Optional[str],
+    shape: Shape,
     jobs: int,
 ) -> ConvertResult:
+    select, strip_prefix, renames, dtype = shape
     if like is None:
         raise CheckpointError("--to fairscale needs --like SRC: a fairscale checkpoint whose FSDP wrapping to follow")
     if dtype is not None:
