@@ -20,6 +20,7 @@ from ..sources.model_parts import ModelPartsSource, summarize_parts
 from ..sources.probe import open_source
 from ..sources.torch_ranks import FAMILIES, TorchRanksSource
 from ..tensors import DTensorRef, TensorRef
+from .command import command
 
 
 def summarize(ckpt: ShardedCheckpoint) -> Dict[str, Any]:
@@ -237,6 +238,7 @@ def _format_ranks(s: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@command
 def inspect_checkpoint(src: str, trust_pickles: bool = False) -> Dict[str, Any]:
     """What a sharded checkpoint or a DCP folder holds, read without tensor data (and without torch where possible).
 

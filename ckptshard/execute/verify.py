@@ -7,9 +7,10 @@ from typing import List
 from ..errors import CheckpointError
 from ..osio.manifest import verify_manifest
 from ..sources.probe import open_source
-from .command import path_of
+from .command import command
 
 
+@command
 def verify(path: str) -> List[str]:
     """Re-check an output of ckptshard against its manifest and its own structure.
 
@@ -24,7 +25,6 @@ def verify(path: str) -> List[str]:
     Raises:
         CheckpointError: no manifest, or one that is not ckptshard's.
     """
-    path = path_of(path)
     problems = verify_manifest(path)
     if problems:
         return problems

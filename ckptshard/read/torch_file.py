@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import zipfile
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..formats.torch_distributed import Record
@@ -72,10 +74,32 @@ def read_torch_legacy(path: str, trusted: bool = False, inert: bool = False) -> 
     return obj if inert else to_refs(path, obj)
 
 
+# Inside a command (``reading_once``), each file's pickle is read once: the family probe and the family's own
+# reader both ask for rank 0's. Keyed by the file's identity, so a file replaced in between is read again.
+_READ: contextvars.ContextVar[Optional[Dict[Tuple[Any, ...], Any]]] = contextvars.ContextVar("read", default=None)
+
+
+@contextlib.contextmanager
+def reading_once() -> Iterator[None]:
+    """Inside the block, :func:`read_torch_file` reads each file's pickle once and hands the same tree again."""
+    token = _READ.set({})
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
 def read_torch_file(path: str) -> Any:
     """:func:`read_torch_zip` or :func:`read_torch_legacy`, whichever format ``path`` is in."""
-    input_file(path)
-    return read_torch_zip(path) if zipfile.is_zipfile(path) else read_torch_legacy(path)
+    st = input_file(path)
+    seen = _READ.get()
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if seen is not None and key in seen:
+        return seen[key]
+    tree = read_torch_zip(path) if zipfile.is_zipfile(path) else read_torch_legacy(path)
+    if seen is not None:
+        seen[key] = tree
+    return tree
 
 
 def read_entry(path: str, keys: Sequence[Key], trust_pickles: bool = False) -> Any:
