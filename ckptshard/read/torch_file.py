@@ -115,7 +115,7 @@ def read_entry(path: str, keys: Sequence[Key], trust_pickles: bool = False) -> A
     if trust_pickles:
         import torch
 
-        obj: Any = torch.load(path, map_location="cpu", weights_only=False)
+        obj: Any = torch.load(path, map_location="cpu", weights_only=False)  # --trust-pickles only
     else:
         try:
             zipped = zipfile.is_zipfile(path)
