@@ -78,18 +78,11 @@ class Record:
 
 _RECORD_CLASSES: Dict[Tuple[str, str], type] = {}
 
-# The torch.distributed classes a DTensor's or ShardedTensor's pickle holds, in the torch releases read so far
-# (their modules move, their names stay). Any other global of torch.distributed is refused: no function of it
-# can run on load, here or in a file written back.
-DISTRIBUTED_CLASSES = frozenset(
-    {
-        "DTensorSpec", "TensorMeta", "ShardOrderEntry", "DeviceMesh", "_MeshLayout", "_FlatLayout",
-        "Shard", "_StridedShard", "Replicate", "Partial", "_Partial", "_NormPartial",
-        "ShardMetadata", "ShardedTensorMetadata", "TensorProperties", "MEM_FORMAT_ENCODING", "ProcessGroupState",
-        "ChunkShardingSpec", "EnumerableShardingSpec", "_remote_device",
-    }
-)  # fmt: skip
-# Enums pickle as a call of their class on the value; every other class above is made without a call.
+# Only classes of torch.distributed are read from a DTensor's or ShardedTensor's pickle (their modules move
+# between releases, and releases add fields and classes: DTensorSpec, DeviceMesh, _MeshLayout, Shard,
+# ShardedTensorMetadata...). A function of it is refused: nothing of torch.distributed runs on load, here or
+# in a file written back. A class is told by its name (CapWords, as torch names them).
+# Enums pickle as a call of their class on the value; every other class is made without a call.
 CALLED_CLASSES = frozenset({"MEM_FORMAT_ENCODING"})
 
 
@@ -105,7 +98,7 @@ def record_class(module: str, name: str) -> type:
 
 def record_getattr(owner: Any, name: str) -> Any:
     """``getattr(<record class>, name)``: how ShardedTensor pickles its nested ProcessGroupState class."""
-    if not (isinstance(owner, type) and issubclass(owner, Record)) or name not in DISTRIBUTED_CLASSES:
+    if not (isinstance(owner, type) and issubclass(owner, Record)) or not _class_name(name):
         return None
     module, _, outer = owner.qualname.rpartition(".")
     found = record_class(module, f"{outer}.{name}")
@@ -117,9 +110,13 @@ def is_distributed(module: str) -> bool:
     return module == "torch.distributed" or module.startswith("torch.distributed.")
 
 
+def _class_name(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
+
+
 def is_distributed_class(module: str, name: str) -> bool:
-    """One of :data:`DISTRIBUTED_CLASSES`, in any module of torch.distributed."""
-    return is_distributed(module) and name in DISTRIBUTED_CLASSES
+    """A class of torch.distributed (by its name: torch's functions are lower case), in any of its modules."""
+    return is_distributed(module) and _class_name(name)
 
 
 class DTensorType:
