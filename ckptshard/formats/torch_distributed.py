@@ -81,7 +81,9 @@ _RECORD_CLASSES: Dict[Tuple[str, str], type] = {}
 # Only classes of torch.distributed are read from a DTensor's or ShardedTensor's pickle (their modules move
 # between releases, and releases add fields and classes: DTensorSpec, DeviceMesh, _MeshLayout, Shard,
 # ShardedTensorMetadata...). A function of it is refused: nothing of torch.distributed runs on load, here or
-# in a file written back. A class is told by its name (CapWords, as torch names them).
+# in a file written back. A class is told by its name: CapWords, as torch names them, or one of the few
+# classes it names in lower case.
+LOWER_CASE_CLASSES = frozenset({"_remote_device"})  # a ShardedTensor's placement, torch.distributed.remote_device
 # Enums pickle as a call of their class on the value; every other class is made without a call.
 CALLED_CLASSES = frozenset({"MEM_FORMAT_ENCODING"})
 
@@ -111,7 +113,7 @@ def is_distributed(module: str) -> bool:
 
 
 def _class_name(name: str) -> bool:
-    return name.lstrip("_")[:1].isupper()
+    return name.lstrip("_")[:1].isupper() or name in LOWER_CASE_CLASSES
 
 
 def is_distributed_class(module: str, name: str) -> bool:
