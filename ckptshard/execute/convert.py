@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..osio.atomic import atomic_output, check_output, check_space
@@ -64,9 +64,6 @@ from .parallel import (
 )
 from .progress import progress_bar
 from .reshard import Split, Target, reshard_source, write_rank_files
-
-if TYPE_CHECKING:
-    pass
 
 TARGETS = ("dcp", "torch", "safetensors", "fairscale")
 

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
 import stat
-from typing import Any, Callable, Dict, Iterator, Tuple, TypeVar
+from typing import Dict, Iterator, Tuple
 
 from ..errors import CheckpointError, InputChanged
 
-T = TypeVar("T")
 FileState = Tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns
 
 _KINDS = (
@@ -82,17 +80,6 @@ def check_inputs_unchanged() -> None:
                 raise _changed(path) from None
             if now != state:
                 raise _changed(path)
-
-
-def watched(fn: Callable[..., T]) -> Callable[..., T]:
-    """Run ``fn`` inside :func:`watching_inputs` (the commands that write outputs)."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> T:
-        with watching_inputs():
-            return fn(*args, **kwargs)
-
-    return run
 
 
 @contextlib.contextmanager
