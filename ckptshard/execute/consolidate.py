@@ -438,5 +438,4 @@ def _consolidate_plain(source: Source, req: Request) -> ConsolidateResult:
     if isinstance(source, TorchRanksSource):  # read without torch: written without it too
         req = dataclasses.replace(req, trust_pickles=False)
     outputs = _write(req, weights, optim, total, source.describe(), source.inputs)
-    notes = source.notes() if isinstance(source, TorchRanksSource) else []
-    return ConsolidateResult(outputs, len(weights), total, notes)
+    return ConsolidateResult(outputs, len(weights), total, source.notes())

@@ -26,7 +26,6 @@ from ..plan.torch_ranks import (
     shard_group,
 )
 from ..read.full_state import full_state_refs
-from ..read.model_parts import PartFiles
 from ..read.rank_files import FSDP_CONFIG, read_fsdp_config
 from ..read.safe_load import load_lazy
 from ..read.source import ShardedCheckpoint
@@ -289,7 +288,7 @@ def _reshard_parts(
     files, ckpts = source.files, source.ckpts
     run_checked(lambda: check_output(dst, overwrite, files.paths, is_dir=True))
     if split.parts is not None and split.parts != len(ckpts):
-        return _repartition(files, ckpts, dst, world_size, overwrite, progress, jobs, optimizer, split)
+        return _repartition(source, dst, world_size, overwrite, progress, jobs, optimizer, split)
     for c in ckpts[1:]:  # every part's checks before any byte is written (part 0's run in PlannedFiles)
         resharded_file(c, world_size, 0, optimizer)
     n = world_size
@@ -310,8 +309,7 @@ class Split:
 
 
 def _repartition(
-    files: PartFiles,
-    ckpts: Sequence[ShardedCheckpoint],
+    source: ModelPartsSource,
     dst: str,
     world_size: int,
     overwrite: bool,
@@ -320,6 +318,7 @@ def _repartition(
     optimizer: bool,
     split: Split,
 ) -> ReshardResult:
+    ckpts = source.ckpts
     k, k2, n = len(ckpts), split.parts or 1, world_size
     if not split.rules:
         raise CheckpointError(
@@ -339,9 +338,8 @@ def _repartition(
     trees = PlannedFiles(tree, k2 * n)
     head = ckpts[0].files.head
     names = [_part_head(head, j) + f"{r}{ckpts[0].files.tail}" for j in range(k2) for r in range(n)]
-    source = {**source_info(ckpts[0]), "files": list(files.paths), "model_parallel_parts": k}
     desc = f"reshard {k} parts x {ckpts[0].world_size} -> {k2} parts x {n}"
-    res = write_rank_files(template, trees, dst, desc, overwrite, progress, source, jobs, names)
+    res = write_rank_files(template, trees, dst, desc, overwrite, progress, source.describe(), jobs, names)
     res.notes = list(plan.notes) + res.notes
     return _noted(res, world_size)
 
@@ -495,8 +493,8 @@ def reshard_ranks(
     def place_of(r: int) -> Any:
         return None if no_shard else mesh.place(r)
 
-    names = [files.name_of(k, r, world) for r in range(world) for k in [*planned.first, "extra_state"]]
-    names = [n for n in names if files.extra or not n.startswith("extra_state")]
+    kinds = [*planned.first, *(["extra_state"] if files.extra else [])]  # each rank's files, in order
+    names = [files.name_of(k, r, world) for r in range(world) for k in kinds]
 
     def write_share(folder: str, share: Callable[[List[Any]], List[Any]], tick: Any) -> Digests:
         """This process's (or rank's) share of the rank files, written by ``jobs`` processes or threads."""

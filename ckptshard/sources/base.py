@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import CheckpointError, NotSupported
 
@@ -30,6 +30,10 @@ class Source:
     def describe(self) -> Dict[str, Any]:
         """The ``source`` block of an output's manifest."""
         return {"files": [os.path.abspath(p) for p in self.inputs], "container": self.kind}
+
+    def notes(self) -> List[str]:
+        """What an output of this source should say of it (printed as ``note:`` lines)."""
+        return []
 
     def check(self) -> None:
         """Read back what ``verify`` can check beyond the manifest's checksums (raises CheckpointError)."""
