@@ -202,12 +202,21 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
     "out",
     required=True,
     type=click.Path(),
-    help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size.",
+    help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size; a Hugging Face model folder "
+    "(from_pretrained loads it) where a config comes with the weights: --hf-config, or verl's huggingface/.",
 )
 @click.option(
     "--max-shard-size",
     default=None,
-    help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB).",
+    help="Write a folder of index-sharded safetensors files of at most this size (e.g. 5GB; a model folder's default).",
+)
+@click.option(
+    "--hf-config",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="A folder holding the model's Hugging Face config.json (and tokenizer files), for weights named as the "
+    "model names them: the output folder gets config.json (its dtype the one written), the tokenizer and "
+    "generation config, tied copies left out, as save_pretrained writes it. Default: verl's huggingface/.",
 )
 @click.option(
     "--container",
@@ -234,7 +243,9 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
     default=None,
     type=click.Path(exists=True),
     help="For FSDP1 LOCAL_STATE_DICT files (flat parameters): the model's full state dict (its safetensors, "
-    "a torch.save file or an index folder), whose names, shapes and ties say what the flat parameters hold.",
+    "a torch.save file or an index folder), whose names, shapes and ties say what the flat parameters hold. "
+    "For fairscale 0.3 shards, whose metadata does not record tied parameters: torch.save of the model's "
+    "state_dict(), whose tied names share storage; each tied name the shards leave out is written again.",
 )
 @click.option(
     "--jobs",
@@ -257,6 +268,7 @@ def consolidate(
     src: str,
     out: str,
     max_shard_size: Optional[str],
+    hf_config: Optional[str],
     container: bool,
     optimizer: bool,
     dtype: Optional[str],
@@ -299,6 +311,7 @@ def consolidate(
             mp_presets=mp_presets,
             mp_tolerance=mp_tolerance,
             like=like,
+            hf_config=hf_config,
         ),
     )
     if _leads():
@@ -354,6 +367,15 @@ def consolidate(
     "them (verl: fsdp, or ddp,fsdp for HSDP); torch loads a DTensor only into a parameter on the same mesh. "
     "Default: the source's.",
 )
+@click.option(
+    "--placement",
+    default=None,
+    type=click.Choice(["dim0", "divisible", "keep"]),
+    help="torch FSDP2 files: the dimension each parameter is sharded on at --world-size, as your training code's "
+    "fully_shard picks it: dim0 (torch's default, Shard(0)), divisible (verl's shard_placement_fn: the first "
+    "dimension the shard group divides), keep (each parameter's dimension in SRC). Default: the rule SRC's "
+    "placements fit; refused where they fit both and the two differ at --world-size.",
+)
 @mp_rule_options
 @common_no_fsync
 @common_overwrite
@@ -371,6 +393,7 @@ def reshard(
     model_parallel: Optional[int],
     shard_group: Optional[int],
     mesh_dim_names: Optional[str],
+    placement: Optional[str],
     mp_rules: tuple,
     mp_presets: tuple,
     mp_tolerance: float,
@@ -404,6 +427,7 @@ def reshard(
             mp_tolerance=mp_tolerance,
             shard_group=shard_group,
             mesh_dim_names=mesh_dim_names.split(",") if mesh_dim_names is not None else None,
+            placement=placement,
         ),
     )
     if _leads():
@@ -581,6 +605,8 @@ def convert(
     )
     if _leads():
         click.echo(f"wrote {', '.join(res.outputs)}: {res.tensors} tensors, {res.nbytes:,} bytes")
+        for note in res.notes:
+            click.echo(f"note: {note}", err=True)
 
 
 @main.command()

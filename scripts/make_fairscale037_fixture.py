@@ -13,6 +13,12 @@ flatten_parameters=False, a buffer. Each rank saves fairseq's container
 (model, fsdp_metadata, last_optimizer_state); rank 0 also the live state_dict().
 Then FSDP 0.3.7 at 3 ranks loads that state dict and saves its own shards
 (ws3/): the oracle for reshard 2->3.
+
+With the argument ``tied`` it writes tied/ instead: a model whose output layer
+is tied to its embedding inside a nested flat instance (VISSL's
+``trunk.tied.2.weight``), which 0.3.x metadata does not record; its shards,
+the live state_dict() and like.pt, torch.save of the unwrapped model's
+state_dict() (the tied names share storage there): what ``--like`` reads.
 """
 
 import os
@@ -35,6 +41,44 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.embed(x)))
+
+
+class TiedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = nn.Sequential(nn.Embedding(7, 4), nn.Tanh(), nn.Linear(4, 7))
+        self.tied[2].weight = self.tied[0].weight
+        self.scale = nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.tied(x))
+
+
+def tied_worker(rank: int, world: int, out: str) -> None:
+    from fairscale.nn import FullyShardedDataParallel as FSDP
+
+    from ckptshard.fsdp.cpu_compat import cpu_fsdp_kwargs
+
+    torch.manual_seed(0)
+    net = TiedNet()
+    if rank == 0:
+        torch.save(net.state_dict(), os.path.join(out, "like.pt"))
+    kw = cpu_fsdp_kwargs()
+    net.tied = FSDP(net.tied, **kw)
+    root = FSDP(net, **kw)
+    optim = torch.optim.Adam(root.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randint(0, 7, (8,), generator=g)[rank * 4 : (rank + 1) * 4]
+        root(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
+    full = root.state_dict()
+    shard = {"model": root.local_state_dict(), "fsdp_metadata": root.local_metadata_dict()}
+    shard["last_optimizer_state"] = optim.state_dict()
+    torch.save(shard, os.path.join(out, f"checkpoint_last-shard{rank}.pt"))
+    if rank == 0:
+        torch.save({k: v.clone() for k, v in full.items()}, os.path.join(out, "full_state_dict.pt"))
 
 
 def worker(rank: int, world: int, out: str) -> None:
@@ -85,6 +129,11 @@ if __name__ == "__main__":
     import fairscale
 
     assert fairscale.__version__ == "0.3.7", fairscale.__version__
+    if sys.argv[1:] == ["tied"]:
+        os.makedirs(os.path.join(OUT, "tied"), exist_ok=True)
+        run_world(tied_worker, 2, os.path.join(OUT, "tied"))
+        print(f"wrote {os.path.abspath(OUT)}/tied with torch {torch.__version__}", file=sys.stderr)
+        sys.exit(0)
     os.makedirs(OUT, exist_ok=True)
     run_world(worker, 2, OUT)
     run_world(at_three, 3, OUT)

@@ -374,11 +374,11 @@ def test_a_signal_while_worker_processes_write_is_quiet_and_ends_them(fixtures, 
 
 def test_hsdp_outputs_say_the_other_replicas_weights_were_not_compared(hsdp_run, tmp_path):
     res = ckptshard.consolidate(hsdp_run, tmp_path / "full.pt", progress=False)
-    assert res.notes == [
+    assert res.notes[0] == (
         "HSDP: the weights are replica 0's; the other 1 replica(s)' weights were not compared "
         "(their optimizer files were: steps and param groups agree)"
-    ]
-    assert ckptshard.reshard(hsdp_run, tmp_path / "re", 4, progress=False).notes == res.notes
+    )
+    assert ckptshard.reshard(hsdp_run, tmp_path / "re", 4, progress=False).notes == res.notes[:1]
 
 
 def test_model_parts_that_name_other_parameters_are_refused(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..formats.safetensors import safetensors_index_plan
@@ -13,9 +13,11 @@ from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.manifest import MANIFEST, build_manifest, manifest_path, write_json
 from ..plan.consolidate import consolidated_weights, split_by_part
+from ..plan.hf_folder import DEFAULT_SHARD_SIZE, SINGLE_FILE, config_for, untied
 from ..plan.model_parallel import MpRule, check_tolerance, rules_from
 from ..plan.optimizer import consolidated_optimizer
 from ..plan.transform import cast_dtype, parse_renames, transform
+from ..read.hf_config import HfConfigDir, read_hf_dir
 from ..read.source import ShardedCheckpoint
 from ..sources.base import Source
 from ..sources.fairscale import FairscaleSource, source_info
@@ -25,6 +27,7 @@ from ..sources.torch_ranks import TorchRanksSource
 from ..tensors import Fill, tree_nbytes, with_fills
 from ..tree import copy_tree, get_path, set_path
 from ..write.copier import Copier
+from ..write.hf_files import write_hf_files
 from ..write.safetensors_file import write_index_json, write_safetensors
 from ..write.torch_file import (
     FILE_OVERHEAD,
@@ -70,17 +73,37 @@ def per_rank_note(ckpt: ShardedCheckpoint) -> List[str]:
     ]
 
 
-def output_format(out: str, max_shard_size: Optional[int]) -> str:
+def output_format(out: str, max_shard_size: Optional[int], hf: bool = False) -> str:
+    """``out``'s format by its name; ``hf``: a Hugging Face config comes with the weights, so a name that is
+    no file's (``-o model/``) is a model folder."""
     if max_shard_size is not None:
         return "safetensors-index"
     if out.endswith(".safetensors"):
         return "safetensors"
     if out.endswith(TORCH_SUFFIXES):
         return "torch"
+    if hf:
+        return "safetensors-index"
     raise CheckpointError(
         f"{out}: cannot tell the format: end it with .safetensors or .pt/.pth/.torch, "
         "or give --max-shard-size for a folder of safetensors files"
     )
+
+
+def hf_folder_of(source: Source, fmt: str, hf_config: Optional[str]) -> Tuple[Optional[HfConfigDir], List[str]]:
+    """The Hugging Face config a folder output is finished with (``--hf-config``, else the one the source
+    carries), and a note where a single-file output leaves the source's behind."""
+    found = hf_config or source.hf_config_dir()
+    if found is None:
+        return None, []
+    if fmt != "safetensors-index":
+        if hf_config is not None:
+            raise CheckpointError("--hf-config writes a model folder: name a folder with -o, not a file")
+        return None, [
+            f"{found}: a Hugging Face config came with the checkpoint; -o FOLDER writes a model folder that "
+            "from_pretrained loads (weights, config.json, tokenizer)"
+        ]
+    return read_hf_dir(found), []
 
 
 def container_tree(ckpt: ShardedCheckpoint, weights: Dict[str, Fill], optim: Optional[Any]) -> Any:
@@ -122,6 +145,14 @@ def write_file_manifest(output: str, source: Dict[str, Any], command: str, hashe
 SAFETENSORS_META = {"format": "pt"}  # what transformers' loaders expect
 
 
+class HfFiles(NamedTuple):
+    """A Hugging Face model folder's files beside its weights: ``config.json`` as written, and (name, path) of
+    the files copied."""
+
+    config: Dict[str, Any]
+    carried: Tuple[Tuple[str, str], ...]
+
+
 def check_parallel(fmt: str, jobs: int) -> None:
     """``--jobs`` and torchrun split the work by output file: only a folder output has several."""
     if fmt != "safetensors-index" and (jobs > 1 or torchrun_world() is not None):
@@ -141,8 +172,11 @@ def write_index_folder(
     command: str,
     overwrite: bool,
     jobs: int = AUTO,
+    hf: Optional[HfFiles] = None,
 ) -> None:
-    """An index-sharded safetensors folder, atomically, with its manifest inside.
+    """An index-sharded safetensors folder, atomically, with its manifest inside; ``hf``: finished as a
+    Hugging Face model folder (``config.json``, tokenizer..., one file named ``model.safetensors`` with no
+    index, as ``save_pretrained`` writes).
 
     ``jobs`` > 1 writes its files in local processes, else threads of this
     one do; under torchrun rank r writes files r, r + world, ... and rank 0
@@ -150,10 +184,14 @@ def write_index_folder(
     Every way gives the same bytes.
     """
     files, index = safetensors_index_plan(tensors, max_bytes, SAFETENSORS_META)
+    if hf is not None and len(files) == 1:
+        files, index = [(SINGLE_FILE, files[0][1])], None
     names = [name for name, _ in files]
 
     def finish(folder: str, shares: Sequence[Digests]) -> None:
-        written = names + [write_index_json(folder, index)]
+        written = names + ([write_index_json(folder, index)] if index is not None else [])
+        if hf is not None:
+            written += write_hf_files(folder, hf.config, hf.carried)
         write_json(
             os.path.join(folder, MANIFEST), build_manifest(folder, written, source, command, None, merged(shares))
         )
@@ -188,6 +226,7 @@ def write_full(
     trust_pickles: bool,
     hashes: Hashes,
     jobs: int = AUTO,
+    hf: Optional[HfFiles] = None,
 ) -> None:
     """One full state dict, atomically: ``tree`` is any tree for torch, a flat ``{name: Fill}`` for safetensors.
 
@@ -197,7 +236,8 @@ def write_full(
     hashes the output while it is written.
     """
     if fmt == "safetensors-index":
-        write_index_folder(out, tree, max_shard_size or 0, tick, source, command, overwrite, jobs)
+        size = DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size
+        write_index_folder(out, tree, size, tick, source, command, overwrite, jobs, hf)
         return
     with atomic_output(out, is_dir=False, overwrite=overwrite) as tmp:
         if fmt == "torch":
@@ -241,13 +281,16 @@ def consolidate(
     mp_tolerance: float = DEFAULT_TOLERANCE,
     like: Optional[str] = None,
     fsync: bool = True,
+    hf_config: Optional[str] = None,
 ) -> ConsolidateResult:
     """Write the full state dict of the sharded checkpoint ``src`` to ``out``, streaming (memory stays flat).
 
     Args:
         src: the shards: a folder, one shard file (its siblings are found) or a VISSL shard_list file;
             or torch FSDP2/FSDP1 per-rank files (verl's folder, or one rank-numbered file per rank).
-        out: ``OUT.safetensors``, ``OUT.pt`` (torch.save), or a folder with ``max_shard_size``.
+        out: ``OUT.safetensors``, ``OUT.pt`` (torch.save), or a folder with ``max_shard_size``: a Hugging Face
+            model folder where a config comes with the weights (``hf_config``, or verl's ``huggingface/``),
+            then with or without ``max_shard_size`` (default 5 GB files).
         max_shard_size: write index-sharded safetensors files of at most this many bytes.
         container: keep the source framework's container around the weights (torch.save output only).
         optimizer: also write the full optimizer state (fairscale's ``gather_full_optim_state_dict``
@@ -265,10 +308,15 @@ def consolidate(
             tensors tensor parallelism split (see ``ckptshard.plan.model_parallel``); every other tensor must be
             the same in every part, within ``mp_tolerance`` (relative). Without rules, one full file per part.
         like: for FSDP1 LOCAL_STATE_DICT files, the model's full state dict (safetensors, torch.save or an
-            index folder): its names, shapes and ties say what each flat parameter holds.
+            index folder): its names, shapes and ties say what each flat parameter holds. For fairscale 0.3
+            shards (whose metadata does not record ties): torch.save of the model's ``state_dict()``, from which
+            each tied name the shards leave out is restored as the tensor it shares storage with.
 
         fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
             crash soon after may lose data the manifest vouches for).
+        hf_config: a folder holding the model's Hugging Face ``config.json`` (and tokenizer files), for a
+            source whose names are the model's: the output folder is finished as ``save_pretrained`` lays it out
+            (``docs/huggingface.md``). Default: verl's ``huggingface/`` beside its rank files.
 
     Returns:
         ``ConsolidateResult``: ``outputs`` (paths), ``tensors`` (count), ``nbytes`` (tensor bytes), ``notes``
@@ -280,23 +328,26 @@ def consolidate(
             that ckptshard did not write, too little disk space, an input changed while read. Nothing is
             written. OSError: the system's own failures (disk full, permissions); nothing is left behind.
     """
-    fmt = output_format(out, max_shard_size)
+    renames = parse_renames(rename)
+    cast_dtype(dtype)  # a bad --dtype fails before any file is opened
+    source = open_source(src, like=like, trust_pickles=trust_pickles)
+    fmt = output_format(out, max_shard_size, hf=hf_config is not None or source.hf_config_dir() is not None)
     check_parallel(fmt, jobs)
     if container and fmt != "torch":
         raise CheckpointError("--container needs a torch.save output (.pt/.pth/.torch)")
-    renames = parse_renames(rename)
-    cast_dtype(dtype)  # a bad --dtype fails before any file is opened
     if (select or strip_prefix or renames) and (container or optimizer):
         raise CheckpointError(
             "--select/--strip-prefix/--rename write a plain state dict: not with --container or --optimizer"
         )
-    req = Request(
-        out, fmt, container, optimizer, overwrite, trust_pickles, progress,
-        tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs,
-    )  # fmt: skip
     rules = rules_from(mp_rules, mp_presets)
     check_tolerance(mp_tolerance)
-    return consolidate_source(open_source(src, like=like, trust_pickles=trust_pickles), req, rules, mp_tolerance)
+    hf, notes = hf_folder_of(source, fmt, hf_config)
+    req = Request(
+        out, fmt, container, optimizer, overwrite, trust_pickles, progress,
+        tuple(select), tuple(strip_prefix), tuple(renames), dtype, max_shard_size, jobs, hf,
+    )  # fmt: skip
+    res = consolidate_source(source, req, rules, mp_tolerance)
+    return dataclasses.replace(res, notes=res.notes + notes)
 
 
 def consolidate_source(
@@ -308,7 +359,7 @@ def consolidate_source(
     if rules:
         raise CheckpointError(f"{source.path}: --mp-rule/--mp-rules given, but it holds one model part")
     if isinstance(source, FairscaleSource):
-        return _consolidate_checkpoint(source.ckpt, source.path, req)
+        return _consolidate_checkpoint(source.ckpt, source.path, req, source)
     if req.container:
         raise source.refuse("--container", "only fairscale checkpoints have a container to keep")
     return _consolidate_plain(source, req)
@@ -331,9 +382,12 @@ class Request:
     dtype: Optional[str]
     max_shard_size: Optional[int]
     jobs: int
+    hf: Optional[HfConfigDir] = None  # a folder output finished as a Hugging Face model folder
 
-    def reshaped(self, weights: Dict[str, Fill]) -> Dict[str, Fill]:
-        return transform(weights, self.select, self.strip_prefix, self.renames, cast_dtype(self.dtype))
+    def reshaped(self, weights: Dict[str, Fill]) -> Tuple[Dict[str, Fill], List[str]]:
+        """The weights to write, and a note for each tied copy a Hugging Face model folder leaves out."""
+        weights = transform(weights, self.select, self.strip_prefix, self.renames, cast_dtype(self.dtype))
+        return untied(weights, self.hf.config) if self.hf is not None else (weights, [])
 
 
 def _write(
@@ -343,32 +397,41 @@ def _write(
     total: int,
     source: Dict[str, Any],
     inputs: Sequence[str],
-) -> List[str]:
+) -> Tuple[List[str], List[str]]:
     """``tree`` to ``req.out`` and ``beside`` (an optimizer state) to ``OUT.optim.pt``, each atomically and with
-    its manifest; outputs checked before anything is written."""
+    its manifest; outputs checked before anything is written. The outputs, and notes on what they hold."""
+    hf, notes = None, []
+    if req.hf is not None:  # a folder of the weights: finished as a Hugging Face model folder
+        config, notes = config_for(req.hf.config, tree)
+        hf = HfFiles(config, req.hf.carried)
+        inputs = (*inputs, *(p for _, p in req.hf.carried))
     opt_out = optimizer_path(req.out) if beside is not None else None
     run_checked(lambda: check_output(req.out, req.overwrite, tuple(inputs), is_dir=req.fmt == "safetensors-index"))
     if opt_out is not None:
         run_checked(lambda: check_output(opt_out, req.overwrite, tuple(inputs)))
     on_disk = full_size_bound(req.fmt, tree) + (torch_file_size_bound(beside) if beside is not None else 0)
+    on_disk += sum(os.path.getsize(p) for _, p in req.hf.carried) if req.hf is not None else 0
     run_checked(lambda: check_space(req.out, on_disk))
     outputs = [req.out]
     lead = leads()  # under torchrun rank 0 reports and writes the single files
     with Copier() as copier, Hashes() as hashes, progress_bar(total, "consolidate", req.progress and lead) as tick:
         how = (source, "consolidate", req.max_shard_size, req.overwrite, req.trust_pickles, hashes, req.jobs)
-        write_full(req.out, req.fmt, tree, copier, tick, *how)
+        write_full(req.out, req.fmt, tree, copier, tick, *how, hf=hf)
         if opt_out is not None and lead:
             write_full(opt_out, "torch", beside, copier, tick, *how[:2], None, *how[3:6])
             outputs.append(opt_out)
         for o in outputs:
             if os.path.isfile(o):
                 write_file_manifest(o, source, "consolidate", hashes)
-    return outputs
+    return outputs, notes
 
 
-def _consolidate_checkpoint(ckpt: ShardedCheckpoint, src: str, req: Request) -> ConsolidateResult:
-    """One fairscale checkpoint (one model part)."""
-    weights = req.reshaped(consolidated_weights(ckpt))
+def _consolidate_checkpoint(
+    ckpt: ShardedCheckpoint, src: str, req: Request, source: Optional[FairscaleSource] = None
+) -> ConsolidateResult:
+    """One fairscale checkpoint (one model part; ``source``: opened whole, its ties restored where ``--like``)."""
+    weights, notes = req.reshaped(source.full_weights() if source is not None else consolidated_weights(ckpt))
+    notes = (source.notes() if source is not None else []) + notes
     optim = None
     if req.optimizer:
         if ckpt.container.optimizer is None:
@@ -378,8 +441,8 @@ def _consolidate_checkpoint(ckpt: ShardedCheckpoint, src: str, req: Request) -> 
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
     inside = req.container and req.fmt == "torch"
     tree: Any = container_tree(ckpt, weights, optim) if inside else weights
-    outputs = _write(req, tree, None if inside else optim, total, source_info(ckpt), ckpt.files.paths)
-    notes = per_rank_note(ckpt)
+    outputs, written = _write(req, tree, None if inside else optim, total, source_info(ckpt), ckpt.files.paths)
+    notes = per_rank_note(ckpt) + notes + written
     if optim is not None and len(optim["param_groups"]) > 1:
         notes.append(
             f"the optimizer has {len(optim['param_groups'])} param groups: each lists its parameters' "
@@ -395,6 +458,11 @@ def _consolidate_parts(
     """K model-parallel parts: joined by ``rules`` into the model at model-parallel size 1, or without rules
     one full file per part (``OUT-model_part-K``)."""
     files, ckpts = source.files, source.ckpts
+    if not rules and req.hf is not None:
+        raise CheckpointError(
+            f"{source.path}: a model part is not the model a Hugging Face config describes: join the parts "
+            "with --mp-rules/--mp-rule, or write a file per part (-o OUT.safetensors)"
+        )
     if not rules:
         reqs = [dataclasses.replace(req, out=part_output(req.out, k)) for k in range(len(ckpts))]
         for r in reqs:  # every output checked before the first is written
@@ -416,26 +484,27 @@ def _consolidate_parts(
             "rules keeps each part's container)"
         )
     weights, notes = joined_weights(ckpts, rules, tolerance)
-    weights = req.reshaped(weights)
+    weights, untie_notes = req.reshaped(weights)
+    notes += untie_notes
     optim = None
     if req.optimizer:
         optim, optim_notes = joined_optimizer(ckpts, rules, tolerance)
         notes += optim_notes
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
-    written = _write(req, weights, optim, total, source.describe(), files.paths)
-    return ConsolidateResult(written, len(weights), total, notes)
+    written, written_notes = _write(req, weights, optim, total, source.describe(), files.paths)
+    return ConsolidateResult(written, len(weights), total, notes + written_notes)
 
 
 def _consolidate_plain(source: Source, req: Request) -> ConsolidateResult:
     """Sources whose full state the family reads as a whole (torch FSDP per-rank files, DCP folders): the
     model's full state dict; ``optimizer``: the full optimizer state beside it, as the family's own full
     format keys it (torch's ``get_optimizer_state_dict(..., full_state_dict=True)``: by name)."""
-    weights = req.reshaped(source.full_weights())
+    weights, notes = req.reshaped(source.full_weights())
     optim = source.full_optimizer() if req.optimizer else None
     if req.optimizer and optim is None:
         raise CheckpointError(f"{source.path}: --optimizer given, but {source.family} hold no optimizer state")
     total = sum(f.nbytes for f in weights.values()) + (tree_nbytes(optim) if optim else 0)
     if isinstance(source, TorchRanksSource):  # read without torch: written without it too
         req = dataclasses.replace(req, trust_pickles=False)
-    outputs = _write(req, weights, optim, total, source.describe(), source.inputs)
-    return ConsolidateResult(outputs, len(weights), total, source.notes())
+    outputs, written = _write(req, weights, optim, total, source.describe(), source.inputs)
+    return ConsolidateResult(outputs, len(weights), total, source.notes() + notes + written)

@@ -9,14 +9,13 @@ fairscale -> torch | safetensors | fairscale  are consolidate and reshard
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
 from ..osio.atomic import atomic_output, check_output, check_space
 from ..osio.hashing import Hashes
 from ..osio.manifest import MANIFEST, build_manifest, write_json
-from ..plan.consolidate import consolidated_weights
 from ..plan.dcp import (
     MODEL,
     OPTIM,
@@ -49,6 +48,7 @@ from .consolidate import (
     check_parallel,
     consolidate_source,
     full_size_bound,
+    hf_folder_of,
     output_format,
     write_file_manifest,
     write_full,
@@ -73,6 +73,7 @@ class ConvertResult:
     outputs: List[str]
     tensors: int
     nbytes: int
+    notes: List[str] = field(default_factory=list)  # what the user should know about the output
 
 
 @command
@@ -138,13 +139,14 @@ def convert(
     if isinstance(source, DcpSource):
         how = (optimizer, max_shard_size, overwrite, trust_pickles, progress, shape, jobs)
         return _dcp_to_full(source, out, to, fmt, *how)
+    hf, notes = hf_folder_of(source, fmt, None)
     req = Request(
         out, fmt, False, optimizer=False, overwrite=overwrite, trust_pickles=trust_pickles, progress=progress,
         select=tuple(select), strip_prefix=tuple(strip_prefix), renames=tuple(renames), dtype=dtype,
-        max_shard_size=max_shard_size, jobs=jobs,
+        max_shard_size=max_shard_size, jobs=jobs, hf=hf,
     )  # fmt: skip
     res = consolidate_source(source, req)
-    return ConvertResult(res.outputs, res.tensors, res.nbytes)
+    return ConvertResult(res.outputs, res.tensors, res.nbytes, res.notes + notes)
 
 
 LIKE = "--like with --to dcp"
@@ -212,7 +214,7 @@ def _fairscale_to_dcp(
 ) -> ConvertResult:
     ckpt = source.ckpt  # read without torch where the files allow: the DCP writer needs none either
     run_checked(lambda: check_output(out, overwrite, tuple(ckpt.files.paths), is_dir=True))
-    weights = transform(consolidated_weights(ckpt), select, strip_prefix, renames, cast_dtype(dtype))
+    weights = transform(source.full_weights(), select, strip_prefix, renames, cast_dtype(dtype))
     with_optim = optimizer and ckpt.container.optimizer is not None
     tree = fairscale_to_dcp(ckpt, weights, with_optim, name_mapper(select, strip_prefix, renames))
     return _write_dcp(plan_dcp(tree), out, overwrite, source.describe(), progress, jobs, len(weights))

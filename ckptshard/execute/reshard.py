@@ -21,6 +21,7 @@ from ..plan.torch_ranks import (
     Fsdp1Optimizer,
     LocalReshard,
     TargetMesh,
+    placement_rule,
     resharded_model,
     resharded_optimizer,
     shard_group,
@@ -183,6 +184,7 @@ def reshard(
     shard_group: Optional[int] = None,
     mesh_dim_names: Optional[Sequence[str]] = None,
     fsync: bool = True,
+    placement: Optional[str] = None,
 ) -> ReshardResult:
     """Write the checkpoint ``src`` as FSDP at ``world_size`` would have saved it, into folder ``dst``.
 
@@ -212,6 +214,11 @@ def reshard(
 
         fsync: fsync each output before it is renamed into place (False: as ``cp``, faster, and a
             crash soon after may lose data the manifest vouches for).
+        placement: for torch FSDP2 files, the rule that picks each parameter's shard dimension at
+            ``world_size``: ``"dim0"`` (torch's default), ``"divisible"`` (verl's ``shard_placement_fn``: the
+            first dimension the shard group divides) or ``"keep"`` (each parameter's dimension in the source).
+            Default: the rule the source's placements fit, refused where they fit both and the two differ at
+            ``world_size`` (``ckptshard.plan.placement``).
 
     Returns:
         ``ReshardResult``: ``folder``, ``files`` (names written), ``nbytes`` (tensor bytes), ``notes``
@@ -229,7 +236,7 @@ def reshard(
     check_tolerance(mp_tolerance)
     source = open_source(src, like=like, trust_pickles=trust_pickles)
     split = Split(model_parallel, rules_from(mp_rules, mp_presets), mp_tolerance)
-    target = Target(world_size, optimizer, shard_group, mesh_dim_names)
+    target = Target(world_size, optimizer, shard_group, mesh_dim_names, placement)
     return reshard_source(source, dst, target, split, overwrite, progress, jobs)
 
 
@@ -241,6 +248,7 @@ class Target:
     optimizer: bool = True
     shard_group: Optional[int] = None
     mesh_dim_names: Optional[Sequence[str]] = None
+    placement: Optional[str] = None  # FSDP2's shard-dimension rule (plan.placement); None: the source's
 
 
 def reshard_source(
@@ -249,10 +257,10 @@ def reshard_source(
     """:func:`reshard` of an opened source (``convert`` opens it once for both)."""
     n, optimizer = target.world_size, target.optimizer
     if isinstance(source, TorchRanksSource):
-        how = (overwrite, progress, optimizer, target.shard_group, target.mesh_dim_names, jobs)
+        how = (overwrite, progress, optimizer, target.shard_group, target.mesh_dim_names, jobs, target.placement)
         return reshard_ranks(source, dst, n, *how)
-    if target.shard_group is not None or target.mesh_dim_names is not None:
-        raise source.refuse("--shard-group or --mesh-dim-names", "they are for torch FSDP2 per-rank files")
+    if target.shard_group is not None or target.mesh_dim_names is not None or target.placement is not None:
+        raise source.refuse("--shard-group, --mesh-dim-names or --placement", "they are for torch FSDP2 per-rank files")
     if isinstance(source, ModelPartsSource):
         return _reshard_parts(source, dst, n, overwrite, progress, jobs, optimizer, split)
     if split.parts is not None or split.rules:
@@ -260,6 +268,11 @@ def reshard_source(
     if not isinstance(source, FairscaleSource):
         raise source.refuse(
             "reshard", "FSDP2 loads a DCP folder at any world size; convert --to fairscale --like CKPT shards one"
+        )
+    if source.like is not None:
+        raise CheckpointError(
+            f"{source.path}: --like restores fairscale 0.3's tied parameters in a consolidated output; reshard "
+            "writes 0.3's shards and metadata as they are"
         )
     ckpt = source.ckpt
     run_checked(lambda: check_output(dst, overwrite, tuple(ckpt.files.paths), is_dir=True))
@@ -427,6 +440,7 @@ def reshard_ranks(
     group: Optional[int] = None,
     dim_names: Optional[Sequence[str]] = None,
     jobs: int = AUTO,
+    placement: Optional[str] = None,
 ) -> ReshardResult:
     """torch FSDP2 or FSDP1 per-rank files at ``world`` ranks, named and laid out as the source's.
 
@@ -450,6 +464,7 @@ def reshard_ranks(
     ranks.require_params()
     group = shard_group(ranks, world, group)
     mesh = TargetMesh(ranks, world, group, dim_names)
+    rule = placement_rule(ranks, group, placement)  # each DTensor's shard dimension at the new size
     if torchrun_world() is not None and mesh.replicas > 1:  # its mesh template needs a process group of its own
         raise CheckpointError("resharding torch FSDP files to HSDP runs in one process: start it without torchrun")
     files = ranks.files
@@ -475,13 +490,13 @@ def reshard_ranks(
         elif local is not None:
             trees = {"model": local.rank(r)}
         else:
-            trees = {"model": resharded_model(ranks, group, mesh.shard_rank(r), wholes)}
+            trees = {"model": resharded_model(ranks, group, mesh.shard_rank(r), wholes, rule)}
         if fsdp1 is not None:
             trees["optim"] = fsdp1.rank(r)
         elif local is not None and with_optim:
             trees["optim"] = local.optimizer(r)
         elif with_optim:
-            trees["optim"] = resharded_optimizer(ranks, group, mesh.shard_rank(r), wholes)
+            trees["optim"] = resharded_optimizer(ranks, group, mesh.shard_rank(r), wholes, rule)
         return mesh.placed(trees)
 
     planned = PlannedFiles(rank_trees, world)  # rank 0's plan runs every check; the others, as written

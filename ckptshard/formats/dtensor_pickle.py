@@ -141,8 +141,49 @@ MESH_FIELDS: Dict[str, Callable[[Any, MeshPlace, int], Any]] = {
     "_flatten_mesh_list": _flat_ranks,
     "_dim_group_infos": _group_infos,
 }
-# DTensorSpec fields besides mesh and tensor_meta: they follow the placements, which resharding keeps.
+# DTensorSpec fields besides mesh and tensor_meta: they follow the placements (rewritten where a DTensor is
+# sharded on another dimension at the new world size: ``_shard_dims``).
 SPEC_FIELDS = {"placements", "shard_order", "use_strided_shard_as_shard_order"}
+
+
+def _shard_dims(spec: Dict[str, Any], wanted: Tuple[Tuple[str, int], ...]) -> Dict[str, Any]:
+    """The spec's ``placements`` (and ``shard_order``, torch 2.10+: (tensor dim, mesh dims) entries) sharding
+    each mesh dimension on the tensor dimension ``wanted`` says: each ``Shard`` is kept as pickled, its ``dim``
+    changed."""
+    kept = spec.get("placements")
+    if not isinstance(kept, (tuple, list)) or len(kept) != len(wanted):
+        raise Unsupported("placements over another number of mesh dimensions than the source's")
+    moved: Dict[int, int] = {}
+    placements = []
+    for i, (p, (kind, dim)) in enumerate(zip(kept, wanted)):
+        old = p.state.get("dim") if isinstance(p, NewObj) and isinstance(p.state, dict) else None
+        if kind != "shard" or old == dim:
+            placements.append(p)
+            continue
+        if not isinstance(old, int) or getattr(p.cls, "name", "") != "Shard":
+            raise Unsupported("a placement other than Shard(dim) to move to another dimension")
+        placements.append(NewObj(p.cls, p.args, {**p.state, "dim": dim}))
+        moved[i] = dim
+    if not moved:
+        return spec
+    out = {**spec, "placements": type(kept)(placements)}
+    order = spec.get("shard_order")
+    if order is not None:
+        out["shard_order"] = type(order)(_order_entry(e, moved) for e in order)
+    return out
+
+
+def _order_entry(entry: Any, moved: Dict[int, int]) -> Any:
+    ok = isinstance(entry, NewObj) and len(entry.args) == 2 and isinstance(entry.args[1], (tuple, list))
+    if not ok:
+        raise Unsupported("a shard_order entry of another shape")
+    mesh_dims = entry.args[1]
+    if not any(m in moved for m in mesh_dims):
+        return entry
+    dims = {moved.get(m) for m in mesh_dims}
+    if len(dims) != 1:  # one tensor dimension sharded over mesh dimensions that now shard different ones
+        raise Unsupported("a shard_order entry over mesh dimensions moved apart")
+    return NewObj(entry.cls, (dims.pop(), mesh_dims), entry.state)
 
 
 def _require(ok: bool, what: str) -> None:
@@ -242,10 +283,8 @@ class DTensorWriter:
         spec = slots.get("_spec")
         if not isinstance(spec, NewObj) or not isinstance(spec.state, dict) or spec.args:
             raise Unsupported("a DTensorSpec of another shape")
-        kept = spec.state.get("placements")
-        if not isinstance(kept, (tuple, list)) or len(kept) != len(fill.placements):
-            raise Unsupported("placements over another number of mesh dimensions than the source's")
-        slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec.state, shape, stride, dtype, own_mesh))
+        spec_state = _shard_dims(spec.state, tuple(fill.placements))
+        slots["_spec"] = NewObj(spec.cls, (), self._spec_state(spec_state, shape, stride, dtype, own_mesh))
         slots["_local_tensor"] = fill.local
         return rebuild_wrapper(template.shell, dtype, shape, stride, (state[0], slots))
 

@@ -1,7 +1,7 @@
 """Plans for torch FSDP2's per-rank files at another world size: what rank r of N holds, from the M files.
 
 Each DTensor's rows are re-cut as FSDP2 at N cuts them (``torch.chunk``
-along its shard dimension) and each new piece is planned as the runs of the
+along the dimension its placement rule picks at N: ``plan.placement``) and each new piece is planned as the runs of the
 old pieces it covers; replicated DTensors, plain tensors (buffers) and
 other values are rank 0's, as torch's full state dict takes them. A tie
 (one DTensor under two names) stays one object. Optimizer state is planned
@@ -24,23 +24,24 @@ from ..read.rank_pieces import assemble, rank_slices
 from ..read.torch_ranks import TorchRanks
 from ..tensors import DTensorFill, DTensorRef, Fill, TensorRef, sources_in, whole
 from ..tree import map_leaves
+from .placement import Placed, choose_rule, rule_dim
 
 
-def _piece(full: Fill, first: DTensorRef, world: int, rank: int) -> DTensorFill:
-    kind, dim = first.placements[0]
+def _piece(full: Fill, first: DTensorRef, world: int, rank: int, rule: str = "keep") -> DTensorFill:
+    kind, kept = first.placements[0]
     if kind == "replicate":
         return DTensorFill(
             full, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad, first.pickled
         )
+    dim = kept if first.sharded_tensor else rule_dim(rule, first.shape, world, kept)  # FSDP1: always dim 0
+    placements = ((kind, dim), *first.placements[1:])
     sizes = chunk_sizes(first.shape[dim], world)
     start = sum(sizes[:rank])
     sources = []
     for whole_at, piece_at, length in row_runs(first.shape, dim, start, sizes[rank]):
         sources.extend(sources_in(full, whole_at, whole_at + length, piece_at))
     local = Fill(local_shape(first.shape, dim, sizes[rank]), first.dtype, tuple(sources))
-    return DTensorFill(
-        local, tuple(first.shape), first.placements, first.sharded_tensor, first.requires_grad, first.pickled
-    )
+    return DTensorFill(local, tuple(first.shape), placements, first.sharded_tensor, first.requires_grad, first.pickled)
 
 
 Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled once for every output rank
@@ -49,8 +50,8 @@ Wholes = Dict[Any, Fill]  # each DTensor's whole, by its rank-0 piece: assembled
 class _Planner:
     """Re-cuts DTensors for one rank, a tie planned once; ``wholes`` may be shared by the ranks' planners."""
 
-    def __init__(self, world: int, rank: int, wholes: Optional[Wholes] = None) -> None:
-        self.world, self.rank = world, rank
+    def __init__(self, world: int, rank: int, wholes: Optional[Wholes] = None, rule: str = "keep") -> None:
+        self.world, self.rank, self.rule = world, rank, rule
         self.wholes: Wholes = {} if wholes is None else wholes
         self.done: Dict[Any, DTensorFill] = {}
 
@@ -60,7 +61,7 @@ class _Planner:
         if key not in self.done:
             if key not in self.wholes:
                 self.wholes[key] = assemble(pieces)
-            self.done[key] = _piece(self.wholes[key], first, self.world, self.rank)
+            self.done[key] = _piece(self.wholes[key], first, self.world, self.rank, self.rule)
         return self.done[key]
 
     def value(self, values: Sequence[Any]) -> Any:
@@ -72,16 +73,22 @@ class _Planner:
         return v
 
 
-def resharded_model(ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None) -> Dict[str, Any]:
-    """Rank ``rank`` of ``world``'s ``model.state_dict()``; ``wholes``: a cache kept across ranks."""
-    plan = _Planner(world, rank, wholes)
+def resharded_model(
+    ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None, rule: str = "keep"
+) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``model.state_dict()``, each DTensor sharded on the dimension ``rule`` picks
+    (``plan.placement``); ``wholes``: a cache kept across ranks."""
+    plan = _Planner(world, rank, wholes, rule)
     return {name: plan.value([sd[name] for sd in ranks.models]) for name in ranks.models[0]}
 
 
-def resharded_optimizer(ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None) -> Dict[str, Any]:
-    """Rank ``rank`` of ``world``'s ``optimizer.state_dict()``; ``wholes``: a cache kept across ranks."""
+def resharded_optimizer(
+    ranks: TorchRanks, world: int, rank: int, wholes: Optional[Wholes] = None, rule: str = "keep"
+) -> Dict[str, Any]:
+    """Rank ``rank`` of ``world``'s ``optimizer.state_dict()``, each moment placed as its parameter (``rule``);
+    ``wholes``: a cache kept across ranks."""
     assert ranks.optims is not None
-    plan = _Planner(world, rank, wholes)
+    plan = _Planner(world, rank, wholes, rule)
     first = ranks.optims[0]
     state: Dict[Any, Dict[str, Any]] = {}
     for pid, entry in first["state"].items():
@@ -109,6 +116,22 @@ def shard_group(ranks: TorchRanks, world: int, group: Optional[int]) -> int:
     if group < world and ranks.kind != "fsdp2":
         raise CheckpointError(f"{where}: FSDP1 files; --shard-group below the world size (HSDP) is FSDP2's")
     return group
+
+
+def placement_rule(ranks: TorchRanks, group: int, given: Optional[str]) -> str:
+    """The rule FSDP2 placed the source's DTensors by (``plan.placement``), for shard groups of ``group``
+    ranks; ``keep`` for FSDP1 files, which shard dim 0 whatever the rule."""
+    if ranks.kind != "fsdp2":
+        if given not in (None, "keep", "dim0"):
+            raise CheckpointError(f"{ranks.files.folder}: FSDP1 files shard dim 0: --placement {given} is FSDP2's")
+        return "keep"
+    placed: List[Placed] = [
+        (name, tuple(v.shape), v.placements[0][1])
+        for name, v in ranks.models[0].items()
+        if isinstance(v, DTensorRef) and v.placements[0][0] == "shard"
+    ]
+    source_group = ranks.hsdp[1] if ranks.hsdp is not None else ranks.world_size
+    return choose_rule(placed, source_group, group, given, ranks.files.folder) if placed else "keep"
 
 
 class TargetMesh:

@@ -560,9 +560,9 @@ def open_torch_ranks_like(
     src: str, like: Optional[str], trust_pickles: bool, option: str = "--like"
 ) -> Optional[TorchRanks]:
     """:func:`open_torch_ranks` with ``like`` the path of the model's full state dict (which FSDP1's
-    LOCAL_STATE_DICT files need), refused where ``src`` is not such files."""
+    LOCAL_STATE_DICT files need), refused where ``src`` is torch per-rank files of another kind."""
     refs = full_state_refs(like, trust_pickles, torch_free=True) if like else None
     ranks = open_torch_ranks(src, refs, keeps_model_order(like) if like else True)
-    if like and (ranks is None or ranks.local is None):
+    if like and ranks is not None and ranks.local is None:
         raise CheckpointError(f"{src}: {option} is for FSDP1 LOCAL_STATE_DICT files (flat parameters), not these")
     return ranks

@@ -35,6 +35,11 @@ class Source:
         """What an output of this source should say of it (printed as ``note:`` lines)."""
         return []
 
+    def hf_config_dir(self) -> Optional[str]:
+        """The folder of the model's Hugging Face config that came with the checkpoint (verl's ``huggingface/``),
+        or None."""
+        return None
+
     def check(self) -> None:
         """Read back what ``verify`` can check beyond the manifest's checksums (raises CheckpointError)."""
 

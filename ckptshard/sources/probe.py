@@ -27,6 +27,7 @@ from .model_parts import ModelPartsSource
 from .torch_ranks import TorchRanksSource
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"  # a Hugging Face model folder whose weights fit one file (no index)
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -42,8 +43,8 @@ def checkpoints_in(folder: str) -> List[str]:
     shards = group_by_rank([n for n in files if not VERL_NAME.match(n)])
     if shards:
         found.append(f"shard files ({', '.join(f'{h}*{t}' for h, t in sorted(shards))})")
-    if INDEX in files:
-        found.append(f"a full state dict ({INDEX})")
+    if INDEX in files or SINGLE in files:
+        found.append(f"a full state dict ({INDEX if INDEX in files else SINGLE})")
     return found
 
 
@@ -60,9 +61,11 @@ def open_source(
 
     Args:
         src: a folder, one shard or rank file (its siblings are found), a VISSL shard_list file, a DCP folder;
-            with ``full``, also a full state dict (.pt, .safetensors, or a folder with its safetensors index).
+            with ``full``, also a full state dict (.pt, .safetensors, or a folder with its safetensors index or a
+            Hugging Face model folder's ``model.safetensors``).
         like: the model's full state dict, which FSDP1 LOCAL_STATE_DICT files need (their flat parameters do
-            not say what they hold); refused for any other family.
+            not say what they hold), and from which fairscale 0.3 shards' tied parameters are restored (their
+            metadata does not record them); refused for any other family.
         trust_pickles: unpickle without the weights-only safety net (files you trust only).
         full: accept a full state dict (``verify``, ``load_checkpoint``); the commands that convert sharded
             checkpoints do not.
@@ -94,19 +97,30 @@ def open_source(
     ranks = open_torch_ranks_like(path, like_path, trust_pickles, like_option)
     if ranks is not None:
         return TorchRanksSource(path, ranks)
+    not_for = f"{path}: {like_option} is for FSDP1 LOCAL_STATE_DICT files and fairscale 0.3 shards, not these"
     parts = find_model_parts(path)
     if parts is not None:
+        if like_path is not None:
+            raise CheckpointError(not_for)
         return ModelPartsSource(path, parts, open_model_parts(parts, trust_pickles))
     index = os.path.isdir(path) and os.path.isfile(os.path.join(path, INDEX))
     if full and (index or path.endswith(".safetensors")):
         return _full_state(path, trust_pickles, torch_free)
+    if full and os.path.isdir(path) and os.path.isfile(os.path.join(path, SINGLE)):
+        return _full_state(os.path.join(path, SINGLE), trust_pickles, torch_free)
     try:
-        return FairscaleSource(path, open_checkpoint(path, trust_pickles, torch_free=torch_free))
+        ckpt = open_checkpoint(path, trust_pickles, torch_free=torch_free)
     except CheckpointError:
-        if not (full and os.path.isfile(path)):
+        if not (full and os.path.isfile(path)) or like_path is not None:
             raise
         # One file that is not a fairscale shard: a full state dict, or its own error says what it is not.
         return _full_state(path, trust_pickles, torch_free)
+    if like_path is None:
+        return FairscaleSource(path, ckpt)
+    source = FairscaleSource(path, ckpt)
+    if not source.legacy:  # 0.4 records its ties
+        raise CheckpointError(not_for)
+    return FairscaleSource(path, ckpt, full_state_refs(like_path, trust_pickles, torch_free), like_path)
 
 
 def _full_state(path: str, trust_pickles: bool, torch_free: bool) -> FullStateSource:

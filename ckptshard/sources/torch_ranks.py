@@ -52,6 +52,10 @@ class TorchRanksSource(Source):
             "(their optimizer files were: steps and param groups agree)"
         ]
 
+    def hf_config_dir(self) -> Optional[str]:
+        found = os.path.join(self.ranks.files.folder, "huggingface")
+        return found if self.ranks.files.verl and os.path.isfile(os.path.join(found, "config.json")) else None
+
     def check(self) -> None:
         if self.ranks.flat is None:  # LOCAL_STATE_DICT: what the flat parameters hold needs the model (--like)
             self.full_weights()  # every rank's pieces agree and add up to the whole
