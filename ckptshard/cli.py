@@ -7,7 +7,7 @@ import re
 import signal
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import click
 
@@ -86,6 +86,41 @@ common_trust = click.option(
     help="Unpickle shards without the weights-only safety net. Only for files you trust: they can run code.",
 )
 common_quiet = click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+
+
+class PathOrUrl(click.Path):
+    """A local path (checked as click.Path checks it) or a URL of object storage (s3://, gs://, az://...),
+    which the command stages (execute/staging.py)."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from .osio.remote import is_url, local_path
+
+        return value if is_url(value) else super().convert(local_path(value), param, ctx)
+
+
+def _storage_options(ctx: click.Context, param: Any, value: Tuple[str, ...]) -> None:
+    from .execute.staging import STORAGE_OPTIONS
+    from .osio.remote import parse_storage_options
+
+    try:
+        STORAGE_OPTIONS.set(parse_storage_options(value))
+    except CheckpointError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def common_storage(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option(
+        "--storage-option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        expose_value=False,
+        callback=_storage_options,
+        help="For s3://, gs://, az://... paths: an option of the fsspec filesystem (repeatable; a JSON value is "
+        "read as JSON), e.g. endpoint_url=http://127.0.0.1:9000, anon=true. Credentials come as each store's "
+        "tools take them (AWS_* variables and files, AWS_ENDPOINT_URL; gcloud; Azure's).",
+    )(f)
+
+
 common_overwrite = click.option("--overwrite", is_flag=True, help="Replace an existing output.")
 
 
@@ -180,9 +215,10 @@ def _done(*_: Any, **__: Any) -> None:
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=PathOrUrl(exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @common_trust
+@common_storage
 @click.pass_context
 def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) -> None:
     """Show what a sharded checkpoint holds: container, world size, FSDP
@@ -195,13 +231,13 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=PathOrUrl(exists=True))
 @click.option(
     "-o",
     "--output",
     "out",
     required=True,
-    type=click.Path(),
+    type=PathOrUrl(),
     help="OUT.safetensors, OUT.pt (torch.save), or a folder with --max-shard-size; a Hugging Face model folder "
     "(from_pretrained loads it) where a config comes with the weights: --hf-config, or verl's huggingface/.",
 )
@@ -213,7 +249,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @click.option(
     "--hf-config",
     default=None,
-    type=click.Path(exists=True, file_okay=False),
+    type=PathOrUrl(exists=True, file_okay=False),
     help="A folder holding the model's Hugging Face config.json (and tokenizer files), for weights named as the "
     "model names them: the output folder gets config.json (its dtype the one written), the tokenizer and "
     "generation config, tied copies left out, as save_pretrained writes it. Default: verl's huggingface/.",
@@ -241,7 +277,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
     "--like",
     "like",
     default=None,
-    type=click.Path(exists=True),
+    type=PathOrUrl(exists=True),
     help="For FSDP1 LOCAL_STATE_DICT files (flat parameters): the model's full state dict (its safetensors, "
     "a torch.save file or an index folder), whose names, shapes and ties say what the flat parameters hold. "
     "For fairscale 0.3 shards, whose metadata does not record tied parameters: torch.save of the model's "
@@ -262,6 +298,7 @@ def inspect(ctx: click.Context, src: str, as_json: bool, trust_pickles: bool) ->
 @common_overwrite
 @common_trust
 @common_quiet
+@common_storage
 @click.pass_context
 def consolidate(
     ctx: click.Context,
@@ -321,9 +358,9 @@ def consolidate(
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=PathOrUrl(exists=True))
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
-@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the new shards.")
+@click.option("-o", "--output", "dst", required=True, type=PathOrUrl(), help="Folder to create for the new shards.")
 @click.option(
     "--jobs",
     "-j",
@@ -342,7 +379,7 @@ def consolidate(
     "--like",
     "like",
     default=None,
-    type=click.Path(exists=True),
+    type=PathOrUrl(exists=True),
     help="For FSDP1 LOCAL_STATE_DICT files (flat parameters): the model's full state dict, as for consolidate.",
 )
 @click.option(
@@ -381,6 +418,7 @@ def consolidate(
 @common_overwrite
 @common_trust
 @common_quiet
+@common_storage
 @click.pass_context
 def reshard(
     ctx: click.Context,
@@ -437,19 +475,19 @@ def reshard(
 
 
 @main.command()
-@click.argument("full", type=click.Path(exists=True))
+@click.argument("full", type=PathOrUrl(exists=True))
 @click.option(
     "--like",
     required=True,
-    type=click.Path(exists=True),
+    type=PathOrUrl(exists=True),
     help="A sharded checkpoint whose FSDP wrapping (instances, flattening, order) and container to follow.",
 )
 @click.option("--world-size", "-n", required=True, type=int, help="Number of ranks to shard for.")
-@click.option("-o", "--output", "dst", required=True, type=click.Path(), help="Folder to create for the shards.")
+@click.option("-o", "--output", "dst", required=True, type=PathOrUrl(), help="Folder to create for the shards.")
 @click.option(
     "--optimizer",
     "optim",
-    type=click.Path(exists=True),
+    type=PathOrUrl(exists=True),
     default=None,
     help="A full optimizer state (from consolidate --optimizer, or gather_full_optim_state_dict) to shard too.",
 )
@@ -457,6 +495,7 @@ def reshard(
 @common_overwrite
 @common_trust
 @common_quiet
+@common_storage
 @click.pass_context
 def shard(
     ctx: click.Context,
@@ -495,7 +534,7 @@ def shard(
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src", type=PathOrUrl(exists=True))
 @click.option(
     "--to",
     "to",
@@ -509,12 +548,12 @@ def shard(
     "--output",
     "out",
     required=True,
-    type=click.Path(),
+    type=PathOrUrl(),
     help="Folder (dcp, fairscale, or safetensors with --max-shard-size) or file (.pt, .safetensors).",
 )
 @click.option(
     "--like",
-    type=click.Path(exists=True),
+    type=PathOrUrl(exists=True),
     default=None,
     help="DCP -> fairscale: the fairscale checkpoint whose FSDP wrapping, container and naming to follow. "
     "FSDP1 LOCAL_STATE_DICT files -> dcp: the model's full state dict (as consolidate --like).",
@@ -550,6 +589,7 @@ def shard(
 @common_overwrite
 @common_trust
 @common_quiet
+@common_storage
 @click.pass_context
 def convert(
     ctx: click.Context,
@@ -610,7 +650,8 @@ def convert(
 
 
 @main.command()
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=PathOrUrl(exists=True))
+@common_storage
 @click.pass_context
 def verify(ctx: click.Context, path: str) -> None:
     """Re-check an output of ckptshard (a folder of shards, or a consolidated

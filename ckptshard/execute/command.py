@@ -9,6 +9,7 @@ from typing import Any, Callable, TypeVar
 from ..osio.durability import fsyncing
 from ..osio.inputs import watching_inputs
 from ..read.torch_file import reading_once
+from .staging import staged
 
 T = TypeVar("T")
 
@@ -19,15 +20,16 @@ def path_of(x: Any) -> Any:
 
 
 def command(fn: Callable[..., T]) -> Callable[..., T]:
-    """A library command: paths may be ``os.PathLike``; the inputs it reads are watched for the call
-    (``osio.inputs``) and each one's pickle read once (``read.torch_file``), and its outputs fsynced as its
-    ``fsync`` keyword says (default True)."""
+    """A library command: paths may be ``os.PathLike``, or URLs of object storage (staged through a local
+    folder, ``execute.staging``; ``storage_options=`` configures their filesystems); the inputs it reads are
+    watched for the call (``osio.inputs``) and each one's pickle read once (``read.torch_file``), and its
+    outputs fsynced as its ``fsync`` keyword says (default True)."""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> T:
         args = tuple(path_of(a) for a in args)
         kwargs = {k: path_of(v) for k, v in kwargs.items()}
         with watching_inputs(), reading_once(), fsyncing(kwargs.get("fsync", True)):
-            return fn(*args, **kwargs)
+            return staged(fn, args, kwargs)
 
     return run
