@@ -346,3 +346,30 @@ def test_any_fsspec_url_and_stores_whose_filesystem_is_missing(fairseq2, tmp_pat
             pass
         cli = subprocess.run([*CLI, "consolidate", url, "-o", str(tmp_path / "x.pt")], capture_output=True, text=True)
         assert cli.returncode == 2 and f"pip install 'ckptshard[{extra}]'" in cli.stderr, cli.stderr
+
+
+PEAK_RSS = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL); "
+    "_, st, ru = os.wait4(p.pid, 0); "
+    "print(os.waitstatus_to_exitcode(st), ru.ru_maxrss)"
+)
+
+
+def test_memory_does_not_grow_with_the_objects_size(s3, tmp_path):
+    """What a transfer holds in memory is bounded: a checkpoint twice the size (objects above the bound at both
+    sizes) peaks at the same RSS. With s3fs's defaults (10 ranges or parts of 50 MiB per object, each held
+    whole) it was 342 -> 653 MiB."""
+    from ckptshard.testing.synthetic import width_for, write_synthetic
+
+    peaks = {}
+    for mib in (128, 256):
+        local = tmp_path / f"src{mib}"
+        write_synthetic(str(local), 2, 2, width_for(mib << 20, 2))
+        src = _upload(s3, local, f"m{mib}")
+        cmd = [*CLI, "consolidate", src, "-o", f"s3://{s3.bucket}/o{mib}/full.safetensors", "-q", "--no-fsync"]
+        rc, rss_kib = subprocess.run(
+            [sys.executable, "-c", PEAK_RSS, *cmd], capture_output=True, text=True, check=True, timeout=300
+        ).stdout.split()
+        assert rc == "0"
+        peaks[mib] = int(rss_kib) >> 10
+    assert peaks[256] - peaks[128] < 48, peaks

@@ -29,17 +29,19 @@ MANIFEST_NAMES = ("ckptshard-manifest.json", ".manifest.json")  # a folder's, a 
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 # botocore's own retries (throttling, 5xx, timeouts), on top of s3fs's: unless the user's options say otherwise.
 S3_DEFAULTS: Dict[str, Any] = {"config_kwargs": {"retries": {"max_attempts": 8, "mode": "standard"}}}
-# The memory a transfer holds: files moved at once, and for S3 uploads the part size and parts in flight per
-# file (a file under two parts is read whole): at most 2 x 4 x 16 MiB, whatever the checkpoint's size.
-FILES_AT_ONCE = 2
-S3_PARTS = {"chunksize": 16 << 20, "max_concurrency": 4}
+# The memory a transfer holds, whatever the checkpoint's size. Uploads: 2 files at once, each in parts of
+# 16 MiB with 4 in flight (a part is held whole; s3fs's default, 10 x 50 MiB per file, grew the peak RSS with
+# the shards' size). Downloads: one streamed GET per object, 8 objects at once (s3fs's parallel ranges are
+# each held whole too).
+S3_UPLOAD = {"batch_size": 2, "chunksize": 16 << 20, "max_concurrency": 4}
+S3_DOWNLOAD = {"batch_size": 8, "max_concurrency": 1}
+FILES_AT_ONCE = 2  # any other async filesystem
 
 
 def _transfer_options(fs: Any, upload: bool) -> Dict[str, Any]:
-    opts: Dict[str, Any] = {"batch_size": FILES_AT_ONCE} if getattr(fs, "async_impl", False) else {}
-    if upload and "s3" in _protocols(fs):
-        opts.update(S3_PARTS)
-    return opts
+    if "s3" in _protocols(fs):
+        return dict(S3_UPLOAD if upload else S3_DOWNLOAD)
+    return {"batch_size": FILES_AT_ONCE} if getattr(fs, "async_impl", False) else {}
 
 
 def _protocols(fs: Any) -> Tuple[str, ...]:
