@@ -31,6 +31,7 @@ and ``--no-fsync`` rows compare with the plain ``cp -r``.
     .venv/bin/python scripts/bench.py --no-fairscale --only no-fsync --repeat 9   # the 1.2x-cp-r rows, 9 rounds
     .venv/bin/python scripts/bench.py --fsdp2 --repeat 5   # torch FSDP2 per-rank files (verl's layout)
     .venv/bin/python scripts/bench.py --model-parts --repeat 5   # metaseq model-parallel parts (OPT-shaped plan)
+    .venv/bin/python scripts/bench.py --against f53e0b2 --sizes 1,2 --repeat 15   # HEAD vs a commit, in pairs
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -134,18 +136,24 @@ def warm(folder: Optional[str]) -> None:
         subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
 
 
-def run(cmd: List[str], reads: Optional[str] = None) -> Tuple[float, int]:
+def run(cmd: List[str], reads: Optional[str] = None, tree: str = ROOT) -> Tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one command, which reads the folder ``reads``."""
+    return run_usage(cmd, reads, tree)[:2]
+
+
+def run_usage(cmd: List[str], reads: Optional[str] = None, tree: str = ROOT) -> Tuple[float, int, float]:
+    """Wall seconds, peak RSS (bytes) and CPU seconds (user + system) of one command run in checkout ``tree``."""
     os.sync()
     prefault(PREFAULT)
     warm(reads)
+    env = dict(os.environ, PYTHONPATH=tree) if tree != ROOT else None  # -m imports ckptshard from the cwd first
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=ROOT)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=tree, env=env)
     _, status, usage = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}")
-    return wall, usage.ru_maxrss * 1024
+    return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
 def gen(folder: str, size_gib: float, shards: int, optimizer: bool) -> None:
@@ -414,6 +422,83 @@ def bench_model_parts(work: str, size_gib: float, repeat: int) -> Dict[str, Tupl
     return interleave(cases, repeat, big, out, lambda name, cmd: big)
 
 
+def checkout(commit: str) -> str:
+    """A git worktree of ``commit`` in a temp folder, its bytecode compiled as pip install would."""
+    tree = os.path.join(tempfile.mkdtemp(prefix="bench-base-"), commit)
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "-q", "--detach", tree, commit], check=True)
+    compiled = [PY, "-m", "compileall", "-q", os.path.join(tree, "ckptshard")]
+    subprocess.run(compiled, check=True, stdout=subprocess.DEVNULL)
+    return tree
+
+
+def _fsdp2_src(work: str, size_gib: float, ranks: int) -> str:
+    src = os.path.join(work, f"fsdp2-{size_gib:g}g-{ranks}")
+    if not os.path.isdir(src):
+        code = (
+            "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
+            f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}))"
+        )
+        subprocess.run([PY, "-c", code, src], check=True)
+    return src
+
+
+def bench_against(work: str, size_gib: float, shards: int, commit: str, repeat: int) -> str:
+    """HEAD against ``commit`` (a worktree) and ``cp -r`` of the same input, in rounds of one run each: the
+    fairscale consolidate and reshard, and the HSDP reshard of FSDP2 files; a markdown table."""
+    src = os.path.join(work, f"src-{size_gib}g-{shards}")
+    if not os.path.isdir(src):
+        gen(src, size_gib, shards, False)
+    fsdp2 = _fsdp2_src(work, size_gib, shards)
+    out = os.path.join(work, "out")
+    ck = [PY, "-m", "ckptshard.cli"]
+    flags = ["-q", "--no-fsync"]
+    commands = {
+        "consolidate -> .safetensors": (src, ck + ["consolidate", src, "-o", out + ".safetensors", *flags]),
+        f"reshard {shards}->3": (src, ck + ["reshard", src, "-n", "3", "-o", out, *flags]),
+        f"HSDP reshard {shards}->2x3 (2x the bytes)": (
+            fsdp2,
+            ck + ["reshard", fsdp2, "-n", "6", "--shard-group", "3", "-o", out, *flags],
+        ),
+    }
+    base = checkout(commit)
+    samples: Dict[Tuple[str, str], List[Tuple[float, int, float]]] = {}
+    try:
+        for folder in {src, fsdp2}:
+            run(["cp", "-r", folder, out], folder)  # the page cache warm, each checkout's first run paid
+            _clean(out)
+        for rnd in range(repeat):
+            for name, (reads, cmd) in commands.items():
+                trio = [("cp -r", ["cp", "-r", reads, out], ROOT), ("HEAD", cmd, ROOT), (commit, cmd, base)]
+                for who, c, tree in trio if rnd % 2 == 0 else trio[::-1]:
+                    samples.setdefault((name, who), []).append(run_usage(c, reads, tree))
+                    _clean(out)
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", base], check=False)
+
+    def med(name: str, who: str, i: int) -> float:
+        return statistics.median(x[i] for x in samples[(name, who)])
+
+    def ratio(name: str, a: str, b: str) -> str:  # median and range of the per-round ratios
+        r = [x[0] / y[0] for x, y in zip(samples[(name, a)], samples[(name, b)])]
+        return f"{statistics.median(r):.2f} ({min(r):.2f}-{max(r):.2f})"
+
+    lines = [
+        f"{repeat} rounds at {size_gib:g} GiB, {shards} shards, --no-fsync; each round runs cp -r, HEAD and "
+        f"{commit} once, in alternating order; ratios are per round (median, range)",
+        f"| command | HEAD s | {commit} s | cp -r s | HEAD / {commit} | HEAD x cp -r | {commit} x cp -r "
+        f"| HEAD CPU s | {commit} CPU s | HEAD peak RSS MiB | {commit} peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in commands:
+        rss = [max(x[1] for x in samples[(name, w)]) / 2**20 for w in ("HEAD", commit)]
+        lines.append(
+            f"| {name} | {med(name, 'HEAD', 0):.3f} | {med(name, commit, 0):.3f} | {med(name, 'cp -r', 0):.3f} "
+            f"| {ratio(name, 'HEAD', commit)} | {ratio(name, 'HEAD', 'cp -r')} | {ratio(name, commit, 'cp -r')} "
+            f"| {med(name, 'HEAD', 2):.3f} | {med(name, commit, 2):.3f} | {rss[0]:.0f} | {rss[1]:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(size_gib: float, results: Dict[str, Tuple[float, int]]) -> str:
     cp, _, cp_min = results["cp -r"]
     model = size_gib * 2**30
@@ -455,6 +540,12 @@ def main() -> None:
         action="store_true",
         help="instead: model-parallel parts (metaseq's model_part-K-shardR): the OPT-175B-shaped plan (8 x 124 "
         "files), then 8 x 8 shards of --sizes GiB consolidated across parts and resharded",
+    )
+    ap.add_argument(
+        "--against",
+        metavar="COMMIT",
+        help="instead: HEAD against COMMIT (checked out in a git worktree) and cp -r, --repeat rounds at each of "
+        "--sizes: consolidate and reshard of fairscale shards, HSDP reshard of FSDP2 files",
     )
     ap.add_argument(
         "--only",
@@ -499,6 +590,11 @@ def main() -> None:
     if args.many_instances:
         PREFAULT = prefault_bytes(8 if args.prefault_gib is None else args.prefault_gib)
         print(table(3 * MANY[2], bench_many(args.work, args.repeat)), flush=True)
+        return
+    if args.against:
+        for size in sizes:
+            PREFAULT = prefault_bytes(max(8, 4 * size) if args.prefault_gib is None else args.prefault_gib)
+            print(bench_against(args.work, size, args.shards, args.against, args.repeat) + "\n", flush=True)
         return
     all_results = {}
     for size in sizes:
