@@ -309,15 +309,7 @@ save_file({k: torch.cat([sd[k].to_local() for sd in ranks]) for k in ranks[0]}, 
 def bench_fsdp2(work: str, size_gib: float, ranks: int, repeat: int) -> Dict[str, Tuple[float, int, float]]:
     """torch FSDP per-rank files (verl's names), FSDP2 and FSDP1: consolidate and reshard against cp -r and an
     in-memory merge."""
-    src, src1 = (os.path.join(work, f"fsdp{v}-{size_gib:g}g-{ranks}") for v in (2, 1))
-    for folder, fsdp1 in ((src, False), (src1, True)):
-        if not os.path.isdir(folder):
-            code = (
-                "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
-                f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, "
-                f"width_for(int({size_gib} * 2**30), {LAYERS}), fsdp1={fsdp1})"
-            )
-            subprocess.run([PY, "-c", code, folder], check=True)
+    src, src1 = _fsdp2_src(work, size_gib, ranks), _fsdp2_src(work, size_gib, ranks, fsdp1=True)
     out = os.path.join(work, "out")
     cli = [PY, "-m", "ckptshard.cli"]
     merged = out + ".safetensors"
@@ -431,12 +423,14 @@ def checkout(commit: str) -> str:
     return tree
 
 
-def _fsdp2_src(work: str, size_gib: float, ranks: int) -> str:
-    src = os.path.join(work, f"fsdp2-{size_gib:g}g-{ranks}")
+def _fsdp2_src(work: str, size_gib: float, ranks: int, fsdp1: bool = False) -> str:
+    """A synthetic folder of torch FSDP2 (or FSDP1) per-rank files in verl's names, made once."""
+    src = os.path.join(work, f"fsdp{1 if fsdp1 else 2}-{size_gib:g}g-{ranks}")
     if not os.path.isdir(src):
         code = (
             "import sys; from ckptshard.testing.synthetic import write_synthetic_fsdp2, width_for;"
-            f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}))"
+            f"write_synthetic_fsdp2(sys.argv[1], {ranks}, {LAYERS}, width_for(int({size_gib} * 2**30), {LAYERS}), "
+            f"fsdp1={fsdp1})"
         )
         subprocess.run([PY, "-c", code, src], check=True)
     return src
