@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import inspect
 import json
 import os
 import posixpath
 import shutil
-import tempfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import CheckpointError
@@ -73,6 +71,8 @@ class Staging:
     """The remote inputs and outputs of one command call, and the local folder they pass through."""
 
     def __init__(self, options: Optional[Mapping[str, Any]], progress: bool) -> None:
+        import tempfile
+
         base = os.environ.get("CKPTSHARD_STAGING") or tempfile.gettempdir()
         self.root = tempfile.mkdtemp(prefix="ckptshard-staging-", dir=base)
         self.options, self.progress = options, progress
@@ -184,6 +184,10 @@ def staged(fn: Callable[..., Any], args: tuple, kwargs: Dict[str, Any]) -> Any:
     """Call ``fn`` with its URL arguments (``INPUTS``, ``OUTPUTS``) staged; ``storage_options`` in ``kwargs``
     is the filesystems' configuration (``--storage-option``)."""
     options = kwargs.pop("storage_options", None) or STORAGE_OPTIONS.get()
+    if not any(isinstance(v, str) and "://" in v for v in (*args, *kwargs.values())):
+        return fn(*args, **kwargs)  # no URL, file:// included: nothing to bind (inspect costs each run's start)
+    import inspect
+
     bound = inspect.signature(fn).bind(*args, **kwargs)
     remote = {k: v for k, v in bound.arguments.items() if (k in INPUTS or k in OUTPUTS) and is_url(v)}
     for k, v in list(bound.arguments.items()):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import sys
 import threading
@@ -77,6 +76,8 @@ def _fake_mesh(
 
     # Reading a written file back to find its tensors' offsets unpickles its mesh, and torch warns (once per
     # mesh) that the mesh's process groups are not this process's: they are the training ranks', as they should.
+    import logging  # here: a module that torch's import brings anyway
+
     mesh_log = logging.getLogger("torch.distributed.device_mesh")
     level = mesh_log.level
     mesh_log.setLevel(logging.ERROR)
