@@ -47,6 +47,14 @@ def _once(folder: pathlib.Path, build) -> pathlib.Path:
     return folder
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_template_cache(tmp_path_factory) -> None:
+    """The torch DTensor pickles kept between runs (``write/template_cache``) go to this run's own folder,
+    not the user's cache: each test run starts with none kept."""
+    os.environ["CKPTSHARD_CACHE_DIR"] = str(tmp_path_factory.mktemp("ckptshard-cache"))
+    os.environ.pop("CKPTSHARD_NO_CACHE", None)
+
+
 @pytest.fixture(scope="session")
 def cache_root() -> pathlib.Path:
     root = _cache_root()

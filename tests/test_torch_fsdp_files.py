@@ -698,3 +698,55 @@ def test_bf16_mixed_precision_run_stores_fp32_and_reshards_like_torch(cache_root
         for kind in ("model", "optim"):
             name = f"{kind}_world_size_2_rank_{r}.pt"
             _assert_equal(_load(tmp_path / "r2" / name), _load(tmp_path / "t2" / name), name)
+
+
+WARM_RESHARD = """
+import sys, ckptshard
+ckptshard.reshard(sys.argv[1], sys.argv[2], 4, progress=False, shard_group=2, mesh_dim_names=["ddp", "fsdp"])
+print("torch imported" if "torch" in sys.modules else "torch not imported")
+"""
+
+
+def _reshard_to_hsdp(src, out, env):
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_RESHARD, str(src), str(out)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _digests(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.pt"))}
+
+
+@pytest.mark.slow
+def test_hsdp_mesh_templates_kept_between_runs(runs, tmp_path):
+    """The DTensor pickles torch makes for an HSDP mesh are kept: a second run imports no torch and writes
+    the same bytes, equal to FSDP2's own files; an entry that does not read back is made again; with the
+    cache off nothing is kept."""
+    import os
+
+    cache = tmp_path / "cache"
+    env = dict(os.environ, CKPTSHARD_CACHE_DIR=str(cache))
+    assert _reshard_to_hsdp(runs[3], tmp_path / "cold", env) == "torch imported"
+    kept = sorted(cache.glob("mesh-templates/*.pt"))
+    assert len(kept) >= 4  # one per rank at least
+    assert _reshard_to_hsdp(runs[3], tmp_path / "warm", env) == "torch not imported"
+    torch_fsdp_runs.torch_at(str(runs[3] / "ref"), str(tmp_path / "torch"), 4, replicas=2)
+    _same_files(tmp_path / "warm", tmp_path / "torch", 4)
+    assert _digests(tmp_path / "warm") == _digests(tmp_path / "cold")
+
+    kept[0].write_bytes(kept[0].read_bytes()[:-7] + b"garbage")  # damaged: its digest no longer matches
+    (cache / "mesh-templates" / (kept[1].stem + ".json")).write_text("{not json")
+    assert _reshard_to_hsdp(runs[3], tmp_path / "remade", env) == "torch imported"
+    assert _digests(tmp_path / "remade") == _digests(tmp_path / "cold")
+    assert _reshard_to_hsdp(runs[3], tmp_path / "again", env) == "torch not imported"
+
+    off = tmp_path / "off-cache"
+    _reshard_to_hsdp(runs[3], tmp_path / "off", dict(env, CKPTSHARD_CACHE_DIR=str(off), CKPTSHARD_NO_CACHE="1"))
+    assert not off.exists()
+    assert _digests(tmp_path / "off") == _digests(tmp_path / "cold")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    _reshard_to_hsdp(runs[3], tmp_path / "blocked", dict(env, CKPTSHARD_CACHE_DIR=str(blocked)))
+    assert _digests(tmp_path / "blocked") == _digests(tmp_path / "cold")

@@ -257,6 +257,7 @@ class DTensorWriter:
         self.place = place
         self.placed = placed
         self._meshes: Dict[int, Tuple[Any, NewObj]] = {}  # by id of the template, which is kept alive here
+        self._placed: Dict[Tuple[Any, ...], Optional[PickledDTensor]] = {}
 
     def __call__(self, fill: Any) -> Call:
         if fill.sharded_tensor:
@@ -267,7 +268,10 @@ class DTensorWriter:
             except Unsupported:
                 if self.placed is None:
                     raise
-        template = self.placed(tuple(fill.placements)) if self.placed else None
+        kind = tuple(fill.placements)
+        if kind not in self._placed:  # one template object per file: its mesh pickled once, as torch does
+            self._placed[kind] = self.placed(kind) if self.placed else None
+        template = self._placed[kind]
         if template is None:
             raise Unsupported(f"a {self.place.mesh_shape} mesh, and no pickle of it made by torch")
         return self._written(fill, _checked(template), own_mesh=True)

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..dtypes import StoredDType, dtype_name
 from ..errors import CheckpointError
@@ -129,12 +129,41 @@ def mesh_template(place: MeshPlace, kind: Placements) -> Optional[PickledDTensor
     """torch's pickle of an empty DTensor of placements ``kind`` on ``place``'s mesh, read back as a template
     for ``DTensorWriter``, which puts each DTensor's own tensor in; None where this torch cannot make one
     (before 2.5). For meshes whose pickle the rules cannot write (HSDP's holds the names torch gives each
-    rank's process groups): the file's data is still laid out and written without torch."""
+    rank's process groups): the file's data is still laid out and written without torch. Kept between runs
+    (``template_cache``): torch is imported only to make one not kept yet."""
     import tempfile
 
-    import torch
-
     from ..read.safe_load import own_refs
+    from . import template_cache
+
+    key = template_cache.entry_key(place.world, place.rank, place.mesh_shape, place.dim_names, kind)
+    kept = template_cache.load(key) if key is not None else None
+    if kept is not None:
+        try:
+            return _filled(own_refs(kept[0])["x"].pickled, kept[1])
+        except Exception:  # whatever a kept entry holds, it is used only if it reads back: else made again
+            pass
+    with tempfile.TemporaryDirectory() as d:
+        made = _saved_by_torch(place, kind, os.path.join(d, "mesh.pt"))
+        if made is None:
+            return None
+        template = _filled(own_refs(made[0])["x"].pickled, made[1])
+        if template is not None and key is not None:
+            template_cache.store(key, *made)
+        return template
+
+
+def _filled(template: Optional[PickledDTensor], tensors: Dict[str, Literal]) -> Optional[PickledDTensor]:
+    try:
+        return with_mesh_tensors(template, tensors) if template is not None else None
+    except Unsupported:
+        return None
+
+
+def _saved_by_torch(place: MeshPlace, kind: Placements, path: str) -> Optional[Tuple[str, Dict[str, Literal]]]:
+    """torch.save of an empty DTensor of ``kind`` on ``place``'s mesh into ``path``, and the mesh's tensors'
+    bytes; None without a fake process group."""
+    import torch
 
     try:
         with fake_mesh(place.world, place.rank, True, place.mesh_shape, place.dim_names) as mesh:
@@ -146,15 +175,10 @@ def mesh_template(place: MeshPlace, kind: Placements) -> Optional[PickledDTensor
                 for k, v in vars(mesh).items()
                 if isinstance(v, torch.Tensor)
             }
-            with tempfile.TemporaryDirectory() as d:
-                torch.save(made, os.path.join(d, "mesh.pt"))
-                template = own_refs(os.path.join(d, "mesh.pt"))["x"].pickled
+            torch.save(made, path)
     except CheckpointError:
         return None  # no fake process group here: torch's path says so
-    try:
-        return with_mesh_tensors(template, tensors) if template is not None else None
-    except Unsupported:
-        return None
+    return path, tensors
 
 
 def dtensor_of(local: Any, mesh: Any, shape: Any, placements: Any) -> Any:
