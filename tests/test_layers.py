@@ -143,3 +143,38 @@ def test_internal_modules_say_so():
     """Every subpackage's docstring marks it internal: the API is what ckptshard/__init__.py declares."""
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         assert "Internal" in (ast.get_docstring(ast.parse(init.read_text())) or ""), init.parent.name
+
+
+LEAN_RUN = """
+import sys
+from ckptshard.cli import main
+try:
+    main(["reshard", sys.argv[1], "-n", "3", "-o", sys.argv[2], "-q", "--no-fsync"])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(" ".join(sorted(sys.modules)))
+"""
+
+
+def test_a_fairscale_reshard_imports_no_other_familys_modules(tmp_path):
+    """Modules for DCP folders and torch FSDP's DTensors are imported where a checkpoint needs them, not on
+    every run: their import is a fixed cost of every command (docs/performance.md)."""
+    import subprocess
+    import sys
+
+    from ckptshard.formats.dcp_metadata import METADATA
+    from ckptshard.sources import probe
+
+    assert probe.METADATA == METADATA
+    made = (
+        f"from ckptshard.testing.synthetic import write_synthetic; write_synthetic({str(tmp_path / 'src')!r}, 2, 2, 16)"
+    )
+    subprocess.run([sys.executable, "-c", made], check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", LEAN_RUN, str(tmp_path / "src"), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.split())
+    assert (tmp_path / "out").is_dir() and "ckptshard.execute.reshard" in loaded
+    unneeded = {"torch", "ckptshard.sources.dcp", "ckptshard.formats.dtensor_pickle", "ckptshard.write.dtensor_mesh"}
+    assert not loaded & unneeded

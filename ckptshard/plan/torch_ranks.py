@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import CheckpointError
-from ..formats.dtensor_pickle import mesh_dim_names
 from ..formats.torch_distributed import MeshPlace
 from ..layout.dim_shards import chunk_sizes, local_shape, row_runs
 from ..layout.fsdp1_flat import ALIGNS, FlatUnits, Slices, find_units, flat_offsets, same_at
@@ -156,6 +155,8 @@ class TargetMesh:
             self.dim_names: Optional[Tuple[str, ...]] = tuple(names)
             return
         first = next((v for v in ranks.models[0].values() if isinstance(v, DTensorRef)), None)
+        from ..formats.dtensor_pickle import mesh_dim_names  # here: torch FSDP sources only
+
         kept = mesh_dim_names(first.pickled) if first is not None else None
         if dims == 1:
             self.dim_names = kept[-1:] if kept else None

@@ -12,7 +12,6 @@ import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from ..dtypes import Size, StoredDType, to_torch
-from ..formats.dtensor_pickle import DTensorWriter
 from ..formats.torch_distributed import MeshPlace
 from ..formats.torch_pickle import Unsupported
 from ..formats.torch_save import Skeleton, lay_out_zip
@@ -24,13 +23,20 @@ from ..read.safe_load import own_refs, safe_globals, torch_gives_offsets
 from ..tensors import DTensorFill, DTensorRef, Fill, Progress, TensorRef, fills_in
 from ..tree import leaves, map_leaves
 from .copier import Copier
-from .dtensor_mesh import dtensor_of, fake_mesh, mesh_template, sharded_tensor_of
 
 if TYPE_CHECKING:
     import torch
 
 
 _FAKE_MODE: Any = None
+
+
+def _dtensor_writer(place: MeshPlace) -> Any:
+    # Imported here: only torch FSDP outputs hold DTensors and ShardedTensors.
+    from ..formats.dtensor_pickle import DTensorWriter
+    from .dtensor_mesh import mesh_template
+
+    return DTensorWriter(place, functools.partial(mesh_template, place))
 
 
 def _fake_mode() -> Any:
@@ -118,7 +124,7 @@ def write_torch(
     fills = fills_in(tree)
     targets: Optional[Dict[int, Tuple[int, Fill]]] = None
     deferred: Optional[List[Tuple[int, int, Tuple[int, int]]]] = None  # (data start, size, where its CRC goes)
-    dtensors = DTensorWriter(place, functools.partial(mesh_template, place)) if place is not None else None
+    dtensors = _dtensor_writer(place) if place is not None else None
     # Read without torch: write without it too. torch before 2.5 cannot lay out a file without its data.
     if all(isinstance(f.dtype, StoredDType) for f in fills) or not torch_skips_data():
         try:
@@ -245,12 +251,16 @@ def _torch_skeleton(
         return _torch_layout(path, tree, trust_pickles, None)
     if place is None:
         raise AssertionError("a DTensorFill needs a place in a mesh")
+    from .dtensor_mesh import fake_mesh
+
     with fake_mesh(place.world, place.rank, False in kinds, place.mesh_shape, place.dim_names) as mesh:
         return _torch_layout(path, tree, trust_pickles, mesh)
 
 
 def _torch_layout(path: str, tree: Any, trust_pickles: bool, mesh: Any) -> Dict[int, Tuple[int, Fill]]:
     import torch
+
+    from .dtensor_mesh import dtensor_of, sharded_tensor_of
 
     fakes: Dict[int, torch.Tensor] = {}
     dtensors = False
