@@ -1,11 +1,12 @@
 """Where one ckptshard command's time goes, process start to exit: wall time per phase of one run.
 
-    .venv/bin/python scripts/profile_run.py -- consolidate SRC -o OUT.safetensors -q --no-fsync
+    .venv/bin/python scripts/profile_run.py --prefault-gib 4 -- consolidate SRC -o OUT.safetensors -q --no-fsync
 
-Phases are timed by wrapping the functions that begin them (the first call of each), in this one
-process: Python's start and ckptshard's imports, the family probe with every pickle read, the checks
-before writing, writing (copy, hash, manifest) and what is left to exit. Run it beside the command
-itself: the wrappers add microseconds.
+As bench.py runs a command (its memory prefaulted, SRC read through the page cache, dirty pages
+written back), then in a fresh process: phases are timed by wrapping the functions that begin them
+(the first call of each): Python's start, click's and ckptshard's imports, the family probe with every
+pickle read and the plan, the checks before writing, and writing (lay out, copy, hash, manifest,
+close). The wrappers add microseconds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import subprocess
 import sys
 import time
 
@@ -58,16 +60,29 @@ def report() -> None:
 
 
 def main() -> None:
-    args = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else sys.argv[1:]
+    if "--" not in sys.argv:
+        raise SystemExit(__doc__)
+    at = sys.argv.index("--")
+    opts, args = sys.argv[1:at], sys.argv[at + 1 :]
+    if "--run" not in opts:  # the harness's part, then this script again in a fresh process
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench
+
+        gib = float(opts[opts.index("--prefault-gib") + 1]) if "--prefault-gib" in opts else 0.0
+        os.sync()
+        bench.prefault(bench.prefault_bytes(gib))
+        bench.warm(args[1] if os.path.isdir(args[1]) else None)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", "--", *args])
+        raise SystemExit(done.returncode)
     from ckptshard import cli
     from ckptshard.execute import consolidate, reshard
     from ckptshard.write import copier
 
     mark("click parses the command line")
     for mod in (consolidate, reshard):
-        timed(mod, "open_source", "probe and read every pickle")
+        timed(mod, "open_source", "probe, read every pickle, plan")
     for mod in (consolidate, reshard):
-        timed(mod, "check_space", "plan, checks (output, space)")
+        timed(mod, "check_space", "checks (output, space)")
     timed(copier.Copier, "__enter__", "write: lay out, copy, hash, manifest, close")
     atexit.register(report)
     cli.main(args, standalone_mode=True)

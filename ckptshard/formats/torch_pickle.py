@@ -21,7 +21,6 @@ lazily as a zip; torch itself can only load it whole (no ``mmap``).
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import collections
 import io
@@ -161,7 +160,6 @@ _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("_codecs", "encode"): _encode,
-    ("argparse", "Namespace"): argparse.Namespace,
     ("torch", "Size"): Size,
     ("torch", "Tensor"): _TensorType(),
     ("torch.nn.parameter", "Parameter"): _TensorType(),
@@ -194,6 +192,10 @@ class _Unpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = _ALLOWED.get((module, name))
+        if found is None and (module, name) == ("argparse", "Namespace"):  # fairseq's args: imported when met
+            import argparse
+
+            found = argparse.Namespace
         if found is None and module == "torch":
             found = _STORAGE_TYPES.get(name) or (_BareDType(name) if name in ITEMSIZE else None)
         if found is None and (module, name) in DTENSOR_NAMES:
