@@ -20,7 +20,6 @@ from ..dtypes import Size
 from .torch_names import Call, Global, NewObj
 from .torch_save import _Pickler
 
-METADATA = ".metadata"  # the file of a DCP folder that describes it
 DCP_VERSION = "1.0.0"  # FileSystemWriter's CURRENT_DCP_VERSION when this was written
 
 _META = "torch.distributed.checkpoint.metadata"

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..dtypes import ITEMSIZE, Size, StoredDType, dtype_name
 from ..errors import CheckpointError
-from ..formats.dcp_metadata import METADATA
+from ..formats.dcp_names import METADATA
 from ..formats.dcp_state import unflatten_state_dict
 from ..formats.torch_pickle import Unsupported
 from ..layout.boxes import box_runs
@@ -265,11 +265,6 @@ def _open(folder: str, meta: Any, read: ReadFrame) -> DcpCheckpoint:
     tree = unflatten_state_dict(flat, planner) if isinstance(planner, Mapping) and planner else flat
     files = sorted({info.relative_path for info in meta.storage_data.values()}) + [METADATA]
     return DcpCheckpoint(folder, tree, files, torch_free=read is _frame_torch_free)
-
-
-def is_dcp(path: str) -> bool:
-    """A folder holding DCP's ``.metadata``."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA))
 
 
 def open_dcp(folder: str, trust_pickles: bool = False) -> DcpCheckpoint:

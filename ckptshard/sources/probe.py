@@ -12,6 +12,8 @@ import os
 from typing import List, Optional, Union
 
 from ..errors import CheckpointError
+from ..formats.dcp_names import METADATA
+from ..read.dcp_folder import is_dcp
 from ..read.discover import group_by_rank
 from ..read.full_state import full_state_refs
 from ..read.model_parts import find_model_parts, open_model_parts
@@ -24,7 +26,6 @@ from .full_state import FullStateSource
 from .model_parts import ModelPartsSource
 from .torch_ranks import TorchRanksSource
 
-METADATA = ".metadata"  # DCP's (formats.dcp_metadata.METADATA): DCP's modules are imported for DCP folders only
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"  # a Hugging Face model folder whose weights fit one file (no index)
 PathLike = Union[str, "os.PathLike[str]"]
@@ -89,8 +90,8 @@ def open_source(
             raise CheckpointError(
                 f"{path}: holds the files of more than one checkpoint: {' and '.join(found)}; move one away"
             )
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, METADATA)):
-        from .dcp import DcpSource
+    if is_dcp(path):
+        from .dcp import DcpSource  # DCP's modules are imported for DCP folders only
 
         if like_path is not None:
             raise CheckpointError(f"{path}: {like_option} is for FSDP1 LOCAL_STATE_DICT files, not a DCP folder")

@@ -23,7 +23,8 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..dtypes import StoredDType, dtype_name
-from ..formats.dcp_metadata import DCP_VERSION, METADATA, metadata_pickle
+from ..formats.dcp_metadata import DCP_VERSION, metadata_pickle
+from ..formats.dcp_names import METADATA
 from ..formats.torch_pickle import Unsupported
 from ..formats.torch_save import lay_out_zip, write_zip
 from ..osio.atomic import open_empty
