@@ -133,27 +133,31 @@ def mesh_template(place: MeshPlace, kind: Placements) -> Optional[PickledDTensor
     (``template_cache``): torch is imported only to make one not kept yet."""
     import tempfile
 
-    from ..read.safe_load import own_refs
     from . import template_cache
 
     key = template_cache.entry_key(place.world, place.rank, place.mesh_shape, place.dim_names, kind)
     kept = template_cache.load(key) if key is not None else None
     if kept is not None:
         try:
-            return _filled(own_refs(kept[0])["x"].pickled, kept[1])
+            return _template_in(*kept)
         except Exception:  # whatever a kept entry holds, it is used only if it reads back: else made again
             pass
     with tempfile.TemporaryDirectory() as d:
         made = _saved_by_torch(place, kind, os.path.join(d, "mesh.pt"))
         if made is None:
             return None
-        template = _filled(own_refs(made[0])["x"].pickled, made[1])
+        template = _template_in(*made)
         if template is not None and key is not None:
             template_cache.store(key, *made)
         return template
 
 
-def _filled(template: Optional[PickledDTensor], tensors: Dict[str, Literal]) -> Optional[PickledDTensor]:
+def _template_in(path: str, tensors: Dict[str, Literal]) -> Optional[PickledDTensor]:
+    """The DTensor ``x`` of the torch file ``path``, read by ckptshard's reader, with the mesh's ``tensors``
+    put in; None where its pickle is not one the rules can fill."""
+    from ..read.safe_load import own_refs
+
+    template = own_refs(path)["x"].pickled
     try:
         return with_mesh_tensors(template, tensors) if template is not None else None
     except Unsupported:
